@@ -1,0 +1,200 @@
+"""`llmsplit <command>`: each subcommand is a thin function over the library.
+
+Exit status: 0 success, 2 bad usage or invalid config (one sentence, no traceback),
+1 a runtime failure (message plus a hint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+
+EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:
+        print(f"llmsplit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmsplit: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmsplit", description="Split large language models across devices.",
+                                epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"llmsplit {__import__('llmsplit').__version__}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train or fine-tune a model on 1..N workers",
+                       description="Train on local workers started by llmsplit, or inside torchrun.", epilog=EPILOG)
+    t.add_argument("--config", metavar="FILE.toml", help="TOML config (defaults: the tiny model on the built-in corpus)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
+    t.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
+    t.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
+    t.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines (default 1)")
+    t.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's rank, 0..nnodes-1")
+    t.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0")
+    t.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (required with --nnodes > 1)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart the workers up to K times after a failure, resuming from the newest checkpoint")
+    t.add_argument("--resume", default="none", metavar="auto|none|PATH",
+                   help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint")
+    t.add_argument("--auto", action="store_true", help="let the planner choose the layout")
+    t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="generate text with a trained model",
+                       description="Print the continuation of PROMPT (the prompt is not repeated).", epilog=EPILOG)
+    g.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT", help="a run folder or one of its checkpoints")
+    g.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
+    g.add_argument("--top-k", type=int, metavar="K")
+    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--seed", type=int, metavar="S")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--device-map", default="auto", metavar="auto|cpu|DEVICE")
+    g.add_argument("--show-device-map", action="store_true", help="print where each module lives (stderr)")
+    for flag in ("--max-memory", "--offload-dir", "--tp", "--pp"):
+        g.add_argument(flag, help="not available in this release")
+    g.set_defaults(func=cmd_generate)
+
+    pr = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
+                        description="A .jsonl file gives one document per line (its \"text\" field); "
+                                    "any other file is one document.", epilog=EPILOG)
+    pr.add_argument("inputs", nargs="+", metavar="FILE|GLOB")
+    pr.add_argument("--out", required=True, metavar="FILE", help="token file to write")
+    pr.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
+    pr.set_defaults(func=cmd_prepare)
+    return p
+
+
+# ---------------------------------------------------------------- train
+
+def cmd_train(args) -> int:
+    from .config import load_config, model_config, record_model_sizes, to_toml, validate
+    from .data.corpus import check_source
+    from .io.run_dir import CONFIG_FILE, METRICS_FILE, resolve_checkpoint
+    from .io.tokenizer import load_tokenizer
+    from .launch import LaunchError, default_nproc, launch, under_torchrun
+    from .train.trainer import default_run_dir, run_worker
+
+    torchrun = under_torchrun()
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be at least 1")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} must be between 0 and --nnodes - 1 = {args.nnodes - 1}")
+    if args.nnodes > 1 and args.master_port is None:
+        raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    if args.auto:
+        raise ConfigError("--auto needs the layout planner, which is not available in this release; "
+                          "set the [parallel] keys instead")
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
+    if args.resume == "auto" and run_dir is None:
+        raise ConfigError("--resume auto needs --run-dir (the run to continue)")
+    if args.resume not in ("auto", "none"):
+        resolve_checkpoint(args.resume)
+    config_path = args.config
+    if config_path is None and args.resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
+        config_path = run_dir / CONFIG_FILE  # continue a run with its own config
+    if run_dir is not None and args.resume == "none" and any((run_dir / f).exists() for f in (CONFIG_FILE, METRICS_FILE)):
+        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
+                          f"or choose another --run-dir")
+
+    cfg = load_config(config_path, args.set)
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or default_nproc()) * args.nnodes
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_source(cfg.data.source)
+    model_cfg = model_config(cfg, tokenizer.vocab_size)
+    validate(cfg, world, model_cfg, tokenizer.vocab_size)
+    record_model_sizes(cfg, model_cfg)
+    config_text = to_toml(cfg)
+
+    if torchrun:
+        run_worker(config_text, str(run_dir) if run_dir else None, args.resume)
+        return 0
+    if run_dir is None and args.nnodes == 1:
+        run_dir = default_run_dir(cfg)
+    nproc = args.nproc or default_nproc()
+    print(f"llmsplit: training on {world} worker(s) ({nproc} on this machine); run dir "
+          f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
+    try:
+        launch(run_worker, (config_text, str(run_dir) if run_dir else None, args.resume), nproc=nproc,
+               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+               master_port=args.master_port, max_restarts=args.max_restarts)
+    except LaunchError as e:
+        print(f"llmsplit: training failed: {e}\nhint: the worker's traceback is printed above; "
+              f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- generate
+
+def cmd_generate(args) -> int:
+    from .infer.generate import load_run
+
+    for flag in ("max_memory", "offload_dir", "tp", "pp"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} is not available in this release; "
+                              f"generate runs on one device (--device-map cpu or cuda:0)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or more")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k} must be at least 1")
+    if args.device_map not in ("auto", "cpu") and not args.device_map.startswith("cuda"):
+        raise ConfigError(f"--device-map {args.device_map!r} is not one of: auto, cpu, cuda:N")
+    if not Path(args.model).exists():
+        raise ConfigError(f"--model {args.model!r} does not exist; pass a run folder written by `llmsplit train`")
+    prompt = " ".join(args.prompt)
+    if not prompt and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    m = load_run(args.model, device=None if args.device_map == "auto" else args.device_map)
+    if args.show_device_map:
+        for name, dev in m.device_map.items():
+            print(f"{name or '(whole model)'}: {dev}", file=sys.stderr)
+
+    def emit(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed, on_text=emit if args.stream else None)
+    if not args.stream:
+        sys.stdout.write(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+# ---------------------------------------------------------------- prepare
+
+def cmd_prepare(args) -> int:
+    from .data.prepare import prepare
+    from .io.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer, key="--tokenizer")
+    info = prepare(args.inputs, args.out, tokenizer)
+    print(f"wrote {info['n_tokens']} tokens ({info['documents']} documents from {info['files']} files, "
+          f"{info['dtype']}, tokenizer {info['tokenizer']}) to {args.out}")
+    return 0

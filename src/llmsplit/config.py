@@ -1,0 +1,376 @@
+"""The run configuration: one dataclass per TOML section, `--set` overrides, and
+`validate()`, which refuses every mistake a user can make before any worker starts.
+
+Every error is a `ConfigError` whose message is one sentence naming the key, the value
+and what is allowed; the command line turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration or command line (exit status 2)."""
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    hf: str | None = None
+    gguf: str | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class DataSection:
+    source: str = "builtin"
+    seq_len: int = 256
+    tokenizer: str = "byte"
+
+
+@dataclass
+class TrainSection:
+    steps: int = 120
+    global_batch: int = 16
+    micro_batch: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    deterministic: bool = False
+    log_every: int = 1
+    compile: bool = False
+
+
+@dataclass
+class ParallelSection:
+    dp: int = -1
+    dp_replicate: int = 1
+    zero: int = 0
+    tp: int = 1
+    sequence_parallel: bool | None = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_virtual_stages: int = 1
+
+
+@dataclass
+class MemorySection:
+    activation_checkpoint: str = "none"
+    offload: str = "none"
+    offload_dir: str | None = None
+
+
+@dataclass
+class CheckpointSection:
+    dir: str | None = None
+    every: int = 0
+    keep: int = 3
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "train.lr_schedule": ("cosine", "linear", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"),
+    "memory.activation_checkpoint": ("none", "selective", "full"),
+    "memory.offload": ("none", "cpu", "nvme"),
+}
+
+# Keys whose features later releases deliver; refusing them here is more honest than
+# silently training something else.
+NOT_YET = {
+    "parallel.zero": (0, "only DDP (parallel.zero=0) is available in this version"),
+    "parallel.tp": (1, "tensor parallel is not available in this version; use parallel.tp=1"),
+    "parallel.pp": (1, "pipeline parallel is not available in this version; use parallel.pp=1"),
+    "parallel.dp_replicate": (1, "hybrid sharding needs parallel.zero>=2, not available in this version; use parallel.dp_replicate=1"),
+    "memory.activation_checkpoint": ("none", "activation checkpointing is not available in this version; use memory.activation_checkpoint=\"none\""),
+    "memory.offload": ("none", "offload is not available in this version; use memory.offload=\"none\""),
+    "model.hf": (None, "loading Hugging Face folders is not available in this version; remove model.hf"),
+    "model.gguf": (None, "loading GGUF files is not available in this version; remove model.gguf"),
+}
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML file (optional) and apply `KEY=VALUE` overrides, checking names and types."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing .toml file to --config")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML ({e}); fix the syntax") from None
+    return config_from_dict(raw, overrides)
+
+
+def config_from_toml(text: str) -> Config:
+    return config_from_dict(tomllib.loads(text))
+
+
+def config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    cfg = Config()
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"top-level key {section!r} in the config file must be a [section]; "
+                              f"known sections: {', '.join(_sections())}")
+        for key, value in values.items():
+            set_key(cfg, f"{section}.{key}", value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like KEY=VALUE, e.g. --set train.steps=10")
+        key, text = item.split("=", 1)
+        set_key(cfg, key.strip(), _parse_value(text.strip()))
+    return cfg
+
+
+def set_key(cfg: Config, dotted: str, value) -> None:
+    section_name, _, key = dotted.partition(".")
+    if section_name not in _sections() or not key:
+        raise ConfigError(f"unknown config key {dotted!r}; keys look like SECTION.KEY with SECTION one of "
+                          f"{', '.join(_sections())}")
+    section = getattr(cfg, section_name)
+    known = {f.name: f for f in fields(section)}
+    if key not in known:
+        raise ConfigError(f"unknown config key {dotted!r}; {section_name} has: {', '.join(known)}")
+    setattr(section, key, _coerce(dotted, value, known[key].type))
+
+
+def _sections() -> list[str]:
+    return [f.name for f in fields(Config)]
+
+
+def _parse_value(text: str):
+    """A --set value is read as a TOML value when it is one, else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(key: str, value, annotation):
+    typ = _base_type(annotation)
+    optional = annotation.endswith("| None")
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{key} cannot be empty")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, Path)):
+            return str(value)
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise AssertionError(f"unhandled type {annotation} for {key}")
+
+
+def _base_type(annotation: str):
+    # Field annotations are strings here (`from __future__ import annotations`): "int | None".
+    name = annotation.split("|")[0].strip()
+    return {"bool": bool, "int": int, "float": float, "str": str}[name]
+
+
+# ---------------------------------------------------------------- validation
+
+def resolve_world(cfg: Config, world_size: int) -> None:
+    """Fill in `parallel.dp` (and sequence_parallel) from the world size, or refuse the layout."""
+    par = cfg.parallel
+    if par.tp < 1 or par.pp < 1:
+        bad = "parallel.tp" if par.tp < 1 else "parallel.pp"
+        raise ConfigError(f"{bad}={getattr(par, bad.split('.')[1])} must be at least 1")
+    if par.dp == -1:
+        if world_size % (par.tp * par.pp):
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp × parallel.pp = "
+                              f"{par.tp * par.pp}; change --nproc or the tp/pp degrees")
+        par.dp = world_size // (par.tp * par.pp)
+    elif par.dp < 1:
+        raise ConfigError(f"parallel.dp={par.dp} must be -1 (what is left) or at least 1")
+    if par.dp * par.tp * par.pp != world_size:
+        raise ConfigError(f"parallel.dp × tp × pp = {par.dp}×{par.tp}×{par.pp} = {par.dp * par.tp * par.pp} "
+                          f"but the world size is {world_size}; set parallel.dp=-1 or --nproc "
+                          f"{par.dp * par.tp * par.pp}")
+    if par.sequence_parallel is None:
+        par.sequence_parallel = par.tp > 1
+
+
+def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int | None = None) -> None:
+    """Refuse what cannot run, before any worker starts. Fills in derived values."""
+    t, d, par, mem, ck = cfg.train, cfg.data, cfg.parallel, cfg.memory, cfg.checkpoint
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(repr, allowed))}")
+    _at_least(cfg, "train.steps", 1)
+    _at_least(cfg, "train.global_batch", 1)
+    _at_least(cfg, "train.micro_batch", 1)
+    _at_least(cfg, "train.warmup_steps", 0)
+    _at_least(cfg, "train.weight_decay", 0)
+    _at_least(cfg, "train.grad_clip", 0)
+    _at_least(cfg, "train.log_every", 1)
+    _at_least(cfg, "train.seed", 0)
+    _at_least(cfg, "data.seq_len", 2)
+    _at_least(cfg, "checkpoint.every", 0)
+    _at_least(cfg, "checkpoint.keep", 1)
+    _at_least(cfg, "parallel.dp_replicate", 1)
+    _at_least(cfg, "parallel.pp_virtual_stages", 1)
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr={t.lr} must be greater than 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={par.zero} is not one of: 0, 1, 2, 3")
+    resolve_world(cfg, world_size)
+    if par.dp % par.dp_replicate:
+        raise ConfigError(f"parallel.dp={par.dp} is not divisible by parallel.dp_replicate={par.dp_replicate}")
+    if par.dp_replicate > 1 and par.zero < 2:
+        raise ConfigError(f"parallel.dp_replicate={par.dp_replicate} (hybrid sharding) needs parallel.zero=2 or 3")
+    if t.global_batch % (par.dp * t.micro_batch):
+        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.dp × train.micro_batch "
+                          f"= {par.dp}×{t.micro_batch} = {par.dp * t.micro_batch}; change one of them")
+    if mem.offload == "nvme" and not mem.offload_dir:
+        raise ConfigError("memory.offload=\"nvme\" needs memory.offload_dir set to a writable folder")
+    for key, (allowed, why) in NOT_YET.items():
+        if _get(cfg, key) != allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: {why}")
+    if model_cfg is not None:
+        if model_cfg.n_heads % par.tp:
+            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp={par.tp}")
+        if model_cfg.dim % model_cfg.n_heads:
+            raise ConfigError(f"model.dim={model_cfg.dim} is not divisible by model.n_heads={model_cfg.n_heads}")
+        if model_cfg.n_heads % model_cfg.n_kv_heads:
+            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by "
+                              f"model.n_kv_heads={model_cfg.n_kv_heads}")
+        if model_cfg.head_dim % 2:
+            raise ConfigError(f"model.dim / model.n_heads = {model_cfg.head_dim} must be even for rotary embeddings")
+        if model_cfg.n_layers < par.pp * par.pp_virtual_stages:
+            raise ConfigError(f"model.n_layers={model_cfg.n_layers} is fewer than parallel.pp × pp_virtual_stages = "
+                              f"{par.pp * par.pp_virtual_stages}; lower parallel.pp")
+        if d.seq_len > model_cfg.max_seq_len:
+            raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
+                              f"lower data.seq_len or raise model.max_seq_len")
+        if tokenizer_vocab is not None and model_cfg.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                              f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
+    del ck
+
+
+def _get(cfg: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _at_least(cfg: Config, dotted: str, low) -> None:
+    value = _get(cfg, dotted)
+    if value < low:
+        raise ConfigError(f"{dotted}={value} must be at least {low}")
+
+
+# ---------------------------------------------------------------- writing
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (keys that are unset are left out)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+# ---------------------------------------------------------------- model sizes
+
+def model_config(cfg: Config, tokenizer_vocab: int | None = None):
+    """The model's sizes: the preset, with every explicitly set size on top.
+
+    Without an explicit `model.vocab_size` the embedding grows to cover the tokenizer
+    (rounded up to a multiple of 8, which tensor parallel splits evenly).
+    """
+    from .models.presets import PRESETS
+    from .models.llama import LlamaConfig
+
+    m = cfg.model
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset={m.preset!r} is not one of: {', '.join(map(repr, PRESETS))}")
+    sizes = dict(PRESETS[m.preset])
+    explicit = {f.name: getattr(m, f.name) for f in fields(m)
+                if f.name not in ("preset", "hf", "gguf") and getattr(m, f.name) is not None}
+    for key, value in explicit.items():
+        if key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len") and value < 1:
+            raise ConfigError(f"model.{key}={value} must be at least 1")
+        if key in ("rope_theta", "norm_eps") and not value > 0:
+            raise ConfigError(f"model.{key}={value} must be greater than 0")
+    if "n_heads" in explicit and "n_kv_heads" not in explicit:
+        sizes["n_kv_heads"] = explicit["n_heads"]
+    sizes.update(explicit)
+    if tokenizer_vocab is not None and "vocab_size" not in explicit:
+        sizes["vocab_size"] = max(sizes["vocab_size"], -(-tokenizer_vocab // 8) * 8)
+    return LlamaConfig(**sizes)
+
+
+def record_model_sizes(cfg: Config, model_cfg) -> None:
+    """Write the resolved sizes into the config, so the run's config.toml says exactly
+    what was built (and rebuilds the same model when read back)."""
+    for f in fields(cfg.model):
+        if f.name not in ("preset", "hf", "gguf") and hasattr(model_cfg, f.name):
+            setattr(cfg.model, f.name, getattr(model_cfg, f.name))

@@ -1,0 +1,1 @@
+"""Training data: where tokens come from (corpus) and how batches are drawn (loader)."""

@@ -1,0 +1,84 @@
+"""Token sources: the built-in corpus, token files from `llmsplit prepare`, text globs."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError
+from ..io.token_file import read_token_file
+
+
+def builtin_documents() -> list[str]:
+    """Python's own help topics (`pydoc_data.topics`): ~465k characters of English
+    shipped with the standard library, so the default run needs no download."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def expand_glob(pattern: str, key: str = "data.source") -> list[Path]:
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not files:
+        raise ConfigError(f"{key}={'text:' + pattern!r} matches no files; check the glob pattern")
+    return files
+
+
+def read_documents(path: Path) -> list[str]:
+    """A .jsonl file gives one document per line (its "text" field); any other file is one document."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ConfigError(f"cannot read {str(path)!r} ({e.strerror}); check the path and its permissions") from None
+    if path.suffix != ".jsonl":
+        return [text]
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{str(path)!r} line {n} is not valid JSON; each line of a .jsonl file "
+                              f"must be an object with a \"text\" field") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ConfigError(f"{str(path)!r} line {n} has no string \"text\" field")
+        docs.append(obj["text"])
+    return docs
+
+
+def encode_documents(docs: list[str], tokenizer) -> np.ndarray:
+    """Concatenate documents, each followed by the end-of-document token when there is one."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    ids: list[int] = []
+    for d in docs:
+        ids.extend(tokenizer.encode(d))
+        ids.extend(eos)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def check_source(source: str) -> None:
+    """Cheap checks a launcher runs before any worker starts."""
+    if source == "builtin":
+        return
+    if source.startswith("text:"):
+        expand_glob(source[len("text:"):])
+    else:
+        read_token_file(source)
+
+
+def load_tokens(source: str, tokenizer) -> np.ndarray:
+    """All training tokens as a 1-D integer array (memory-mapped for token files)."""
+    if source == "builtin":
+        return encode_documents(builtin_documents(), tokenizer)
+    if source.startswith("text:"):
+        docs = [d for f in expand_glob(source[len("text:"):]) for d in read_documents(f)]
+        return encode_documents(docs, tokenizer)
+    tokens, header = read_token_file(source)
+    if header["tokenizer"] != tokenizer.name:
+        raise ConfigError(f"data.source={source!r} was tokenized with {header['tokenizer']!r} but "
+                          f"data.tokenizer is {tokenizer.name!r}; set data.tokenizer to match")
+    return tokens

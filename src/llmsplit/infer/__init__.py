@@ -1,0 +1,1 @@
+"""Inference: loading trained models and generating text."""

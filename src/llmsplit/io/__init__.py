@@ -1,0 +1,1 @@
+"""Reading and writing the outside world's formats: tokenizers, token files, run folders."""

@@ -1,0 +1,57 @@
+"""The token file that `llmsplit prepare` writes and training memory-maps.
+
+Layout: 8-byte magic, u32 format version, u32 length of a JSON header, the JSON header
+(tokenizer, vocab size, dtype, token and document counts), zero padding to 64 bytes,
+then the tokens as little-endian uint16 or uint32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError
+
+MAGIC = b"LLMSTOK1"
+VERSION = 1
+_ALIGN = 64
+
+
+def write_token_file(path: str | Path, tokens: np.ndarray, *, tokenizer: str, vocab_size: int,
+                     documents: int) -> dict:
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    header = {"tokenizer": tokenizer, "vocab_size": int(vocab_size), "dtype": np.dtype(dtype).name,
+              "n_tokens": int(len(tokens)), "documents": int(documents)}
+    blob = json.dumps(header).encode()
+    prefix = MAGIC + struct.pack("<II", VERSION, len(blob)) + blob
+    pad = (-len(prefix)) % _ALIGN
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(prefix + b"\0" * pad)
+        f.write(np.asarray(tokens, dtype=dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+    os.replace(tmp, path)  # a half-written file is never taken for a token file
+    return header
+
+
+def read_token_file(path: str | Path, key: str = "data.source") -> tuple[np.ndarray, dict]:
+    """Memory-map the tokens of a token file; ConfigError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{key}={str(path)!r} does not exist; pass \"builtin\", \"text:GLOB\" or a token "
+                          f"file written by `llmsplit prepare`")
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if len(head) < 16 or head[:8] != MAGIC:
+            raise ConfigError(f"{key}={str(path)!r} is not a token file written by `llmsplit prepare`; "
+                              f"use \"text:{path}\" to read plain text")
+        version, n = struct.unpack("<II", head[8:16])
+        header = json.loads(f.read(n))
+    offset = 16 + n + ((-(16 + n)) % _ALIGN)
+    tokens = np.memmap(path, dtype=np.dtype(header["dtype"]).newbyteorder("<"), mode="r", offset=offset,
+                       shape=(header["n_tokens"],))
+    return tokens, header

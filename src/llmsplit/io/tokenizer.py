@@ -1,0 +1,70 @@
+"""Tokenizers: a byte-level default that needs no files, and any `tokenizer.json`
+through the `tokenizers` library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError
+
+# Names that mark the end of a document in the common Llama-family vocabularies.
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<eos>")
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|im_start|>", "<bos>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 and 257 mark the start and end of a document."""
+
+    name = "byte"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizer.json` file (as Hugging Face `transformers` writes it)."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._first_id(_EOS_NAMES)
+        self.bos_id = self._first_id(_BOS_NAMES)
+
+    def _first_id(self, names):
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(spec: str, key: str = "data.tokenizer"):
+    """`"byte"` or a path to a tokenizer.json (or a folder holding one)."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{key}={spec!r} is neither \"byte\" nor an existing tokenizer.json file")
+    try:
+        return HFTokenizer(path)
+    except Exception as e:  # the tokenizers library raises its own Exception type
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{key}={spec!r} is not a tokenizer.json that the tokenizers library can read "
+                          f"({first[:120]}); pass \"byte\" or a valid tokenizer.json") from None

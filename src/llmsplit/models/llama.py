@@ -1,0 +1,230 @@
+"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+Nothing here knows about ranks, meshes or stages: parallelism is applied from outside
+(`llmsplit.parallel`). Layers live in a `ModuleDict` keyed by their index so that a
+pipeline stage can drop the layers it does not own and keep the original names, which
+keeps checkpoints layout-independent. Rotary embeddings use the Hugging Face
+"rotate half" layout so that Hugging Face weights load without permuting q/k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    vocab_size: int = 264
+    ffn_dim: int = 688
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the sizes alone (no model is built)."""
+        hd = self.head_dim
+        attn = self.dim * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * self.dim
+        if self.qkv_bias:
+            attn += hd * (self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.ffn_dim
+        norms = 2 * self.dim
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * (attn + mlp + norms) + embed + head + self.dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim]."""
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0):
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallel each rank sees only its share of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_id, start_pos, k, v)
+        n_rep = q.shape[1] // k.shape[1]
+        if kv_cache is None or start_pos == 0:
+            mask, causal = None, True
+        elif s == 1:
+            mask, causal = None, False  # one new token attends to everything cached
+        else:
+            # A chunk appended after cached tokens: position i sees cache + chunk[:i+1].
+            total = k.shape[2]
+            mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(total - s)
+            causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=n_rep > 1)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0):
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int = 0) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]. With a `kv_cache`, `start_pos` is the
+        position of tokens[:, 0] and the cache is extended in place."""
+        s = tokens.shape[1]
+        if start_pos + s > self.rope_cos.shape[0]:
+            self._extend_rope(start_pos + s)
+        cos = self.rope_cos[start_pos:start_pos + s]
+        sin = self.rope_sin[start_pos:start_pos + s]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, kv_cache, start_pos)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def _extend_rope(self, length: int):
+        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        """Initialise every parameter from (seed, parameter name) alone.
+
+        Each tensor is drawn whole on the CPU from its own generator, so the weights are
+        the same whatever the world size or layout; a sharded (DTensor) parameter keeps
+        only its own slice of the same full tensor.
+        """
+        device = buffer_device or next(iter(self.buffers())).device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in _unique_named_parameters(self):
+            if name.endswith("norm.weight"):
+                full = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                full = torch.zeros(p.shape)
+            else:
+                std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                g = torch.Generator().manual_seed(_name_seed(seed, name))
+                full = torch.empty(p.shape).normal_(0.0, std, generator=g).clamp_(-3 * std, 3 * std)
+            assign_full_tensor(p, full)
+
+
+def assign_full_tensor(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into `p`, keeping only p's shard if p is a DTensor."""
+    if hasattr(p, "device_mesh") and hasattr(p, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        p.copy_(full.to(device=p.device, dtype=p.dtype))
+
+
+def _unique_named_parameters(model: nn.Module):
+    # Tied weights appear once, under their first name (the embedding).
+    return model.named_parameters(remove_duplicate=True)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # Strip wrapper prefixes so that wrapped and plain models draw the same numbers.
+    clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "")
+    digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,69 @@
+"""Distributed checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Model and optimizer state are saved by parameter name (`get_model_state_dict` /
+`get_optimizer_state_dict`), never by rank, so a checkpoint is readable under another
+layout or world size. The trainer's own state (step, data position, RNG, LR schedule)
+is a small JSON file. Writes go to a hidden temporary folder that rank 0 renames once
+every rank has finished: the final name appears only for a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..io.run_dir import STATE_FILE, list_checkpoints
+
+
+def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int) -> Path:
+    ck_dir = Path(ck_dir)
+    final = ck_dir / f"step_{step}"
+    tmp = ck_dir / f".step_{step}.tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        ck_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier()
+    if rank0:
+        full_state = dict(train_state, rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(full_state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # a re-run of the same step (after a restart) replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(ck_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Load model and optimizer state in place; returns the trainer state."""
+    path = Path(path)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    train_state = json.loads((path / STATE_FILE).read_text())
+    rng = train_state.pop("rng", None)
+    if rng is not None:
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
+    return train_state

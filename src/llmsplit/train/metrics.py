@@ -1,0 +1,58 @@
+"""What a rank holds and how much memory it peaked at."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key in seen:  # tied weights count once
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
+    params = list(model.parameters())
+    optim = [v for state in optimizer.state.values() for v in state.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"param_bytes": tensor_bytes(params),
+            "grad_bytes": tensor_bytes(p.grad for p in params),
+            "optim_bytes": tensor_bytes(optim)}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # resets VmHWM to the current resident size (Linux)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak. CPU: the process's peak resident size (VmHWM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,48 @@
+"""Progress for people: a bar on a terminal, plain log lines otherwise, a summary table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+class Progress:
+    def __init__(self, total: int, start: int):
+        self.tty = sys.stderr.isatty()
+        self.total = total
+        self.bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, rec: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+                  f"tokens/s {rec['tokens_per_s']:.0f}  step {rec['step_time_s']:.2f}s  "
+                  f"peak {rec['peak_mem_bytes'] / 2**20:.0f} MiB", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> None:
+    lay = summary["layout"]
+    rows = [
+        ("run dir", str(run_dir)),
+        ("layout", f"world {summary['world_size']}: dp={lay['dp']} zero={lay['zero']} tp={lay['tp']} pp={lay['pp']}"),
+        ("model", f"{summary['params'] / 1e6:.2f}M parameters, {summary['precision']}"),
+        ("steps", str(summary["steps"])),
+        ("loss", (f"{first_loss:.4f} -> " if first_loss is not None else "") + f"{summary['final_loss']:.4f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+    ]
+    for r in summary["per_rank"]:
+        rows.append((f"rank {r['rank']}", f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  params "
+                     f"{r['param_bytes'] / 2**20:.1f} MiB  grads {r['grad_bytes'] / 2**20:.1f} MiB  "
+                     f"optimizer {r['optim_bytes'] / 2**20:.1f} MiB"))
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)

@@ -1,0 +1,265 @@
+"""The training loop, run by every worker process.
+
+The logged loss is the mean token loss over the whole global batch: each data-parallel
+rank averages over its own tokens (every sequence has the same length), the data-parallel
+reduction averages the ranks, so the number is the same for every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ..config import Config, config_from_toml, model_config, to_toml
+from ..data.corpus import load_tokens
+from ..data.loader import BatchSampler
+from ..io.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, checkpoint_dir, list_checkpoints, resolve_checkpoint
+from ..io.tokenizer import load_tokenizer
+from ..parallel.apply import build_parallel_model
+from ..parallel.mesh import Mesh, ParallelDims
+from .checkpoint import load_checkpoint, save_checkpoint
+from .metrics import peak_memory_bytes, reset_peak_memory, state_bytes
+from .progress import Progress, print_summary
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate for optimizer step `step` (1-based): linear warmup, then the schedule
+    down to lr × min_lr_ratio. A pure function of the step, so resuming needs only the step."""
+    t = cfg.train
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.lr * t.min_lr_ratio
+    if t.lr_schedule == "linear":
+        return t.lr - (t.lr - floor) * progress
+    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def default_run_dir(cfg: Config) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.model.preset}"
+
+
+def _setup_process_group() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    threads = int(os.environ.get("LLMSPLIT_THREADS", "0")) or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(threads)
+    return device
+
+
+def _agree_on_run_dir(cfg: Config, run_dir: str | None) -> Path:
+    """Rank 0 picks the run folder (a timestamp differs between machines) and tells the others."""
+    choice = [str(run_dir or default_run_dir(cfg))]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0])
+
+
+@record
+def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
+    """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
+    device = _setup_process_group()
+    try:
+        return _train(config_text, run_dir, resume, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch.device) -> dict | None:
+    cfg = config_from_toml(config_text)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rank0 = rank == 0
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    run_dir = _agree_on_run_dir(cfg, run_dir_arg)
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model_cfg = model_config(cfg, tokenizer.vocab_size)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
+    dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
+
+    model, plain = build_parallel_model(model_cfg, cfg, mesh, device)
+    optimizer = _optimizer(plain, cfg)
+    sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
+                           cfg.train.global_batch, cfg.train.seed)
+    ck_dir = checkpoint_dir(cfg, run_dir)
+
+    start_step = 0
+    resume_from = _resume_source(resume, run_dir, ck_dir)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer)
+        start_step = state["step"]
+        if rank0:
+            print(f"resumed from {resume_from} at step {start_step}", file=sys.stderr, flush=True)
+    if rank0:
+        _trim_metrics(run_dir / METRICS_FILE, start_step)
+
+    t = cfg.train
+    per_rank = t.global_batch // dp_size
+    n_micro = per_rank // t.micro_batch
+    tokens_per_step = t.global_batch * cfg.data.seq_len
+    autocast_dtype = _DTYPES[t.precision]
+    scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
+    progress = Progress(t.steps, start_step) if rank0 else None
+    metrics_file = open(run_dir / METRICS_FILE, "a") if rank0 else None
+    history, held = [], None
+    first_loss = None
+
+    reset_peak_memory(device)
+    for step in range(start_step + 1, t.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = sampler.rank_batch(step - 1, dp_rank, dp_size).to(device)
+        loss_sum = torch.zeros((), device=device)
+        for i in range(n_micro):
+            mb = batch[i * t.micro_batch:(i + 1) * t.micro_batch]
+            inputs, targets = mb[:, :-1], mb[:, 1:]
+            # Gradients are averaged across ranks only on the last micro-batch.
+            sync = model.no_sync() if i < n_micro - 1 else nullcontext()
+            amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+            with sync:
+                with amp:
+                    logits = model(inputs)
+                # fp32 loss over the vocabulary whatever the compute dtype.
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                       reduction="sum") / (per_rank * cfg.data.seq_len)
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if step == t.steps:
+            held = state_bytes(plain, optimizer)  # while gradients still exist
+        optimizer.zero_grad(set_to_none=True)
+
+        dist.all_reduce(loss_sum, group=mesh.group("dp"))
+        loss_value = loss_sum.item() / dp_size
+        step_time = time.perf_counter() - t0
+        peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                  "peak_mem_bytes": int(peak.item())}
+        history.append(record)
+        first_loss = first_loss if first_loss is not None else loss_value
+        if rank0 and (step % t.log_every == 0 or step == t.steps):
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        if rank0:
+            progress.update(record)
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
+            save_checkpoint(ck_dir, step, model, optimizer, _train_state(step, cfg, sampler), cfg.checkpoint.keep)
+
+    if start_step < t.steps:
+        save_checkpoint(ck_dir, t.steps, model, optimizer, _train_state(t.steps, cfg, sampler), cfg.checkpoint.keep)
+    if held is None:
+        held = state_bytes(plain, optimizer)
+    per_rank_info = {"rank": rank, "peak_mem_bytes": peak_memory_bytes(device), **held}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, per_rank_info)
+    if not rank0:
+        return None
+    progress.close()
+    metrics_file.close()
+    summary = _summary(cfg, world, model_cfg, history, gathered, run_dir)
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    print_summary(summary, run_dir, first_loss)
+    return summary
+
+
+def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    # No weight decay on norms and biases (1-D tensors), as in the Llama recipes.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _resume_source(resume: str, run_dir: Path, ck_dir: Path) -> Path | None:
+    # A worker restarted by the elastic launcher after a crash resumes where it can.
+    if resume == "none" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(ck_dir)
+        return found[-1][1] if found else None
+    return resolve_checkpoint(resume)[1]
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop logged steps after the checkpoint so the file reads as one run."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    shutil.move(tmp, path)
+
+
+def _train_state(step: int, cfg: Config, sampler: BatchSampler) -> dict:
+    return {"step": step, "lr": lr_at(step, cfg), "data": sampler.state_dict(next_step=step),
+            "layout": {"world_size": dist.get_world_size(), "dp": cfg.parallel.dp, "zero": cfg.parallel.zero,
+                       "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}}
+
+
+def _summary(cfg: Config, world: int, model_cfg, history: list[dict], per_rank: list[dict], run_dir: Path) -> dict:
+    par, mem = cfg.parallel, cfg.memory
+    timed = history[1:] or history  # the first step pays for warm-up
+    total_time = sum(r["step_time_s"] for r in timed)
+    tokens = len(timed) * cfg.train.global_batch * cfg.data.seq_len
+    final_loss = history[-1]["loss"] if history else _last_logged_loss(run_dir)
+    return {
+        "world_size": world,
+        "layout": {"dp": par.dp, "dp_replicate": par.dp_replicate, "zero": par.zero, "tp": par.tp, "pp": par.pp,
+                   "pp_schedule": par.pp_schedule, "activation_checkpoint": mem.activation_checkpoint,
+                   "offload": mem.offload},
+        "steps": cfg.train.steps,
+        "final_loss": final_loss,
+        "tokens_per_s": tokens / total_time if total_time > 0 else 0.0,
+        "params": model_cfg.num_params(),
+        "precision": cfg.train.precision,
+        "per_rank": sorted(per_rank, key=lambda r: r["rank"]),
+    }
+
+
+def _last_logged_loss(run_dir: Path) -> float | None:
+    path = run_dir / METRICS_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else None
