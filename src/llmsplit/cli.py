@@ -111,14 +111,16 @@ def cmd_train(args) -> int:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
     if args.resume not in ("auto", "none"):
         resolve_checkpoint(args.resume)
-    config_path = args.config
+    config_path, sets = args.config, list(args.set)
     if config_path is None and args.resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
-        config_path = run_dir / CONFIG_FILE  # continue a run with its own config
+        # Continue a run with its own config; the data-parallel degree follows the new
+        # world size (checkpoints load under any layout) unless --set says otherwise.
+        config_path, sets = run_dir / CONFIG_FILE, ["parallel.dp=-1", *sets]
     if run_dir is not None and args.resume == "none" and any((run_dir / f).exists() for f in (CONFIG_FILE, METRICS_FILE)):
         raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
                           f"or choose another --run-dir")
 
-    cfg = load_config(config_path, args.set)
+    cfg = load_config(config_path, sets)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or default_nproc()) * args.nnodes
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_source(cfg.data.source)

@@ -1,0 +1,132 @@
+import torch
+import torch.nn.functional as F
+
+from llmsplit.models import LlamaConfig, Transformer, preset_config
+from llmsplit.models.llama import apply_rope, rope_tables
+
+CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_dim=96, max_seq_len=32)
+
+
+def build(cfg=CFG, seed=0):
+    m = Transformer(cfg)
+    m.init_weights(seed)
+    return m
+
+
+def test_output_shape_and_param_count():
+    m = build()
+    assert m(torch.randint(0, 100, (3, 17))).shape == (3, 17, 100)
+    assert sum(p.numel() for p in m.parameters()) == CFG.num_params()
+
+
+def test_causal_later_tokens_never_change_earlier_logits():
+    m = build()
+    x = torch.randint(0, 100, (2, 20))
+    y = x.clone()
+    y[:, 12:] = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        a, b = m(x), m(y)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_gqa_with_all_kv_heads_equals_plain_multi_head_attention():
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=50, ffn_dim=96, max_seq_len=16)
+    m = build(cfg)
+    attn = m.layers["0"].attention
+    x = torch.randn(2, 10, 64)
+    cos, sin = m.rope_cos[:10], m.rope_sin[:10]
+    b, s = 2, 10
+    q = apply_rope(attn.wq(x).view(b, s, 4, 16), cos, sin).transpose(1, 2)
+    k = apply_rope(attn.wk(x).view(b, s, 4, 16), cos, sin).transpose(1, 2)
+    v = attn.wv(x).view(b, s, 4, 16).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    ref = attn.wo((F.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, s, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+    m = build()  # 4 query heads share 2 kv heads
+    wide_cfg = LlamaConfig(**{**CFG.to_dict(), "n_kv_heads": 4})
+    wide = Transformer(wide_cfg)
+    sd = m.state_dict()
+    for i in range(2):
+        for w in ("wk", "wv"):
+            key = f"layers.{i}.attention.{w}.weight"
+            sd[key] = sd[key].view(2, 16, 64).repeat_interleave(2, dim=0).reshape(64, 64)
+    wide.load_state_dict(sd)
+    x = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), wide(x), atol=1e-5, rtol=1e-5)
+
+
+def test_init_is_independent_of_build_device_and_repeatable():
+    a = build(seed=3)
+    with torch.device("meta"):
+        b = Transformer(CFG)
+    b.to_empty(device="cpu")
+    b.init_weights(3)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    c = build(seed=4)
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
+
+
+def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
+    """A DTensor parameter sharded over a 1-rank mesh keeps exactly the full tensor's slice."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        m = build()
+        sharded = Transformer(CFG)
+        for name, p in list(sharded.named_parameters()):
+            mod = sharded.get_submodule(name.rsplit(".", 1)[0])
+            setattr(mod, name.rsplit(".", 1)[1], torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        sharded.init_weights(0)
+        for (n, p), (_, q) in zip(m.named_parameters(), sharded.named_parameters()):
+            assert torch.equal(p, q.full_tensor()), n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    from llmsplit.infer.generate import KVCache
+
+    m = build().eval()
+    x = torch.randint(0, 100, (1, 14))
+    with torch.no_grad():
+        full = m(x)
+        cache = KVCache(CFG, 1, 14, "cpu", torch.float32)
+        pre = m(x[:, :8], kv_cache=cache, start_pos=0)
+        chunk = m(x[:, 8:11], kv_cache=cache, start_pos=8)  # a multi-token chunk after the cache
+        steps = [m(x[:, i:i + 1], kv_cache=cache, start_pos=i) for i in range(11, 14)]
+    torch.testing.assert_close(pre, full[:, :8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunk, full[:, 8:11], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 11:], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rotates_pairs_by_position():
+    cos, sin = rope_tables(8, 4, 10000.0)
+    x = torch.randn(1, 4, 1, 8)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is the identity
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # rotations keep the norm
+
+
+def test_presets_have_the_published_sizes():
+    assert abs(preset_config("llama-3-8b").num_params() / 1e9 - 8.03) < 0.01
+    assert abs(preset_config("llama-2-7b").num_params() / 1e9 - 6.74) < 0.01
+    assert abs(preset_config("llama-3-70b").num_params() / 1e9 - 70.55) < 0.01
+    assert 1e6 < preset_config("tiny").num_params() < 1e7
+    with torch.device("meta"):  # the big ones build on meta without memory
+        m = Transformer(preset_config("llama-3-70b"))
+    assert m.layers["0"].attention.wk.weight.shape == (1024, 8192)

@@ -1,0 +1,98 @@
+"""Training through the real command line on real gloo process groups."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TINY, assert_close_losses, losses, run_cli, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, no accumulation: the numbers every layout must reproduce."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    train(run, *TINY, "train.micro_batch=8", "train.steps=6", "checkpoint.every=3", nproc=1)
+    return run
+
+
+def test_run_files_follow_the_spec(reference):
+    metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(m)
+        assert m["peak_mem_bytes"] > 0 and m["tokens_per_s"] > 0
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 6
+    assert summary["layout"] == {"dp": 1, "dp_replicate": 1, "zero": 0, "tp": 1, "pp": 1, "pp_schedule": "1f1b",
+                                 "activation_checkpoint": "none", "offload": "none"}
+    assert summary["final_loss"] == metrics[-1]["loss"]
+    params = summary["params"]
+    (rank,) = summary["per_rank"]
+    # fp32 weights, fp32 gradients, two fp32 Adam moments: 4 + 4 + 8 bytes per parameter.
+    assert (rank["param_bytes"], rank["grad_bytes"], rank["optim_bytes"]) == (4 * params, 4 * params, 8 * params)
+    assert "dim = 64" in (reference / "config.toml").read_text()
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_logs_the_single_process_loss_at_every_step(reference, tmp_path, nproc):
+    train(tmp_path / "run", *TINY, "train.steps=6", nproc=nproc)
+    assert_close_losses(losses(tmp_path / "run"), losses(reference))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == nproc and len(summary["per_rank"]) == nproc
+    assert len({r["param_bytes"] for r in summary["per_rank"]}) == 1  # DDP: every rank holds everything
+
+
+def test_gradient_accumulation_gives_the_same_loss(reference, tmp_path):
+    # 2 ranks × 4 sequences each, one sequence per micro-batch: 4 micro-batches per step.
+    train(tmp_path / "run", *TINY, "train.steps=6", "train.micro_batch=1", nproc=2)
+    assert_close_losses(losses(tmp_path / "run"), losses(reference))
+
+
+def test_resume_continues_exactly_even_on_another_world_size(reference, tmp_path):
+    stopped = tmp_path / "run"
+    shutil.copytree(reference, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step_6")  # as if the run had stopped after step 3
+    (stopped / "summary.json").unlink()
+    proc = train(stopped, "train.micro_batch=2", nproc=2, extra=("--resume", "auto"))
+    assert "resumed from" in proc.stderr and "step_3" in proc.stderr
+    assert_close_losses(losses(stopped), losses(reference))
+
+
+def test_runs_inside_torchrun(reference, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
+           "-m", "llmsplit", "train", "--run-dir", str(tmp_path / "run")]
+    for s in (*TINY, "train.steps=6"):
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_losses(losses(tmp_path / "run"), losses(reference))
+
+
+def test_generate_from_a_run(reference):
+    a = run_cli("generate", "--model", str(reference), "Hello", "--max-new-tokens", "12")
+    b = run_cli("generate", "--model", str(reference / "checkpoints" / "step_6"), "Hello", "--max-new-tokens", "12")
+    assert a.stdout == b.stdout and a.stdout.endswith("\n")
+    s1 = run_cli("generate", "--model", str(reference), "Hi", "--temperature", "1.0", "--top-k", "20",
+                 "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "12")
+    s2 = run_cli("generate", "--model", str(reference), "Hi", "--temperature", "1.0", "--top-k", "20",
+                 "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "12", "--stream")
+    assert s1.stdout == s2.stdout
+
+
+def test_python_api_generates_the_cli_greedy_tokens(reference):
+    import torch
+
+    import llmsplit
+
+    m = llmsplit.load(str(reference))
+    text = m.generate("Hello", max_new_tokens=12)
+    cli = run_cli("generate", "--model", str(reference), "Hello", "--max-new-tokens", "12")
+    assert cli.stdout == text + "\n"
+    ids = torch.tensor([m.tokenizer.encode("Hello world")])
+    assert m.logits(ids).shape == (1, 11, 64 * 0 + 264)
