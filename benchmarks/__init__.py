@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks against peers. Run: python -m benchmarks [NAME ...]."""
