@@ -96,3 +96,42 @@ def test_python_api_generates_the_cli_greedy_tokens(reference):
     assert cli.stdout == text + "\n"
     ids = torch.tensor([m.tokenizer.encode("Hello world")])
     assert m.logits(ids).shape == (1, 11, 64 * 0 + 264)
+
+
+def test_two_nodes_on_one_machine_match_one_process(reference, tmp_path):
+    """--nnodes/--node-rank/--master-addr/--master-port: two launchers, one worker each."""
+    port = "29571"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", port, "--run-dir", str(tmp_path / "run")]
+        for s in (*TINY, "train.steps=6"):
+            cmd += ["--set", s]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert_close_losses(losses(tmp_path / "run"), losses(reference))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_stays_close_to_fp32(reference, tmp_path, precision):
+    train(tmp_path / "run", *TINY, "train.steps=6", f"train.precision={precision}", nproc=2)
+    got, want = losses(tmp_path / "run"), losses(reference)
+    assert all(abs(a - b) <= 2e-2 * b for a, b in zip(got, want)), (got, want)
+
+
+def test_a_failing_worker_is_reported_with_its_rank(tmp_path):
+    """A runtime failure inside one worker: exit 1, the rank named, a hint."""
+    proc = train(tmp_path / "run", *TINY, nproc=2, check=False, env={"LLMSPLIT_FAULT": "1:2"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "training failed: worker rank 1" in proc.stderr and "hint:" in proc.stderr
+
+
+def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path):
+    tokens = tmp_path / "t.bin"
+    (tmp_path / "a.txt").write_text("abc " * 100)
+    run_cli("prepare", str(tmp_path / "a.txt"), "--out", str(tokens))
+    tokens.write_bytes(tokens.read_bytes()[:80])
+    proc = train(tmp_path / "run", *TINY, f"data.source={tokens}", nproc=2, check=False)
+    assert proc.returncode == 2 and "is truncated" in proc.stderr and "Traceback" not in proc.stderr

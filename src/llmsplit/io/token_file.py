@@ -50,8 +50,19 @@ def read_token_file(path: str | Path, key: str = "data.source") -> tuple[np.ndar
             raise ConfigError(f"{key}={str(path)!r} is not a token file written by `llmsplit prepare`; "
                               f"use \"text:{path}\" to read plain text")
         version, n = struct.unpack("<II", head[8:16])
-        header = json.loads(f.read(n))
+        if version != VERSION:
+            raise ConfigError(f"{key}={str(path)!r} is token file format {version}; this llmsplit reads format "
+                              f"{VERSION}: write it again with `llmsplit prepare`")
+        try:
+            header = json.loads(f.read(n))
+            n_tokens, dtype = int(header["n_tokens"]), np.dtype(header["dtype"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{key}={str(path)!r} is truncated or damaged (unreadable header); write it again "
+                              f"with `llmsplit prepare`") from None
     offset = 16 + n + ((-(16 + n)) % _ALIGN)
-    tokens = np.memmap(path, dtype=np.dtype(header["dtype"]).newbyteorder("<"), mode="r", offset=offset,
-                       shape=(header["n_tokens"],))
+    expected = offset + n_tokens * dtype.itemsize
+    if path.stat().st_size != expected:
+        raise ConfigError(f"{key}={str(path)!r} is truncated or damaged ({path.stat().st_size} bytes, header "
+                          f"says {expected}); write it again with `llmsplit prepare`")
+    tokens = np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=offset, shape=(n_tokens,))
     return tokens, header
