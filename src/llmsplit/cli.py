@@ -79,6 +79,37 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, metavar="FILE", help="token file to write")
     pr.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
     pr.set_defaults(func=cmd_prepare)
+
+    d = sub.add_parser("doctor", help="check torch, devices, backends, launcher variables and network",
+                       description="One line per check: OK, WARN or FAIL, each with the fix. Exit 1 if any FAIL.",
+                       epilog=EPILOG)
+    d.add_argument("--master-addr", metavar="HOST", help="check this master address (default: $MASTER_ADDR)")
+    d.add_argument("--master-port", type=int, metavar="PORT", help="check this port (default: $MASTER_PORT)")
+    d.add_argument("--json", action="store_true", help="print the checks as JSON")
+    d.set_defaults(func=cmd_doctor)
+
+    pt = sub.add_parser("plot", help="draw a run's loss, tokens/s and memory as PNG files (extra [plot])",
+                        epilog=EPILOG)
+    pt.add_argument("run_dir", metavar="RUN_DIR")
+    pt.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
+    pt.set_defaults(func=cmd_plot)
+
+    pl = sub.add_parser("plan", help="predict memory per device and step time for layouts; write a config",
+                        description="Predict, for each layout, memory per device term by term and the step "
+                                    "time; rank those that fit and say why the others do not.", epilog=EPILOG)
+    pl.add_argument("--model", required=True, metavar="PRESET|HF_FOLDER|CONFIG.toml")
+    pl.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices (CPU workers for --gpu cpu)")
+    pl.add_argument("--gpu", default="H100-80GB", metavar="NAME", help="device kind, or cpu (default H100-80GB)")
+    pl.add_argument("--nodes", type=int, metavar="K", help="machines the devices are spread over")
+    pl.add_argument("--seq-len", type=int, metavar="S")
+    pl.add_argument("--global-batch", type=int, metavar="B", help="train: sequences per step; infer: concurrent sequences")
+    pl.add_argument("--mode", default="train", choices=("train", "infer"))
+    pl.add_argument("--precision", metavar="fp32|bf16|fp16", help="default: bf16 on GPUs, fp32 on cpu, or the config's")
+    pl.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1")
+    pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    pl.add_argument("--json", action="store_true", help="print one JSON document")
+    pl.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 
@@ -199,4 +230,45 @@ def cmd_prepare(args) -> int:
     info = prepare(args.inputs, args.out, tokenizer)
     print(f"wrote {info['n_tokens']} tokens ({info['documents']} documents from {info['files']} files, "
           f"{info['dtype']}, tokenizer {info['tokenizer']}) to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+def cmd_plan(args) -> int:
+    import json
+
+    from . import plan
+    from .plan.report import format_report
+
+    report = plan(model=args.model, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes, seq_len=args.seq_len,
+                  global_batch=args.global_batch, mode=args.mode, layout=args.layout, top=args.top,
+                  precision=args.precision, emit_config=args.emit_config)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    if args.emit_config:
+        print(f"llmsplit: wrote {args.emit_config} (run it with: llmsplit train --config {args.emit_config} "
+              f"--nproc {args.gpus})", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------- doctor
+
+def cmd_doctor(args) -> int:
+    import dataclasses
+    import json
+
+    from .diagnose.doctor import format_checks, run_checks
+
+    checks = run_checks(args.master_addr, args.master_port)
+    print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1) if args.json else format_checks(checks))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+# ---------------------------------------------------------------- plot
+
+def cmd_plot(args) -> int:
+    from .diagnose.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
     return 0

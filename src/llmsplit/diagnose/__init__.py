@@ -1,0 +1,1 @@
+"""Diagnosis: environment checks, and (later) OOM and hang explanations."""

@@ -1,0 +1,335 @@
+"""Memory per device, term by term, for what llmsplit actually runs.
+
+What the code does, and therefore what is counted:
+- Parameters are fp32 whatever `train.precision` says. zero 0/1 (DDP) compute under
+  autocast: bf16 copies of the weights are made per forward and saved for backward, and
+  the residual stream and RMSNorm stay fp32. zero 2/3 (FSDP2 with a MixedPrecisionPolicy)
+  keep fp32 shards and all-gather bf16 weights, so the whole block computes in bf16.
+- AdamW keeps exp_avg and exp_avg_sq in fp32 (8 bytes per parameter), no master copy.
+- DDP copies gradients into its own buckets (gradient_as_bucket_view is off), which is a
+  second fp32 gradient-sized buffer.
+- The trainer upcasts the logits to fp32 for the loss over the whole vocabulary.
+
+The activation constants were derived term by term from the autograd graph of
+`models.llama.TransformerBlock` (what each op saves for backward) and are checked against
+saved-tensor hooks in tests/test_plan_memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.llama import LlamaConfig
+from .hardware import Device
+from .layout import Layout, Workload, microbatches
+
+FP32 = 4
+NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
+
+
+@dataclass
+class Breakdown:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    overhead: int
+    host: int = 0          # bytes this device keeps in host RAM (offload)
+    stage: int = 0         # the pipeline stage this breakdown is for (the fullest one)
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers + self.overhead
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "comm_buffers": self.comm_buffers,
+                "overhead": self.overhead, "total": self.total}
+
+
+# ---------------------------------------------------------------- parameters
+
+def layer_params(cfg: LlamaConfig, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
+    h, d = cfg.dim, cfg.head_dim
+    matrices = h * d * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * d * h + 3 * h * cfg.ffn_dim
+    bias = d * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
+    return (matrices + bias) // tp + 2 * h
+
+
+def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
+    """Parameter counts held by one rank of pipeline stage `stage` (vocab-parallel under tp).
+
+    With V schedules rank 0 holds the first and the last chunk, so embedding and head.
+    """
+    p, t = layout.pp, layout.tp
+    first = stage == 0
+    last = stage == (0 if layout.pp_schedule in ("zbv", "dualpipev") and p > 1 else p - 1)
+    table = cfg.vocab_size * cfg.dim // t
+    # A tied head shares the embedding's tensor only when both live on the same rank.
+    head = table if last and (not cfg.tie_embeddings or not first) else 0
+    return {"layers": cfg.n_layers // p * layer_params(cfg, t), "embedding": table if first else 0,
+            "head": head, "final_norm": cfg.dim if last else 0, "has_head": last}
+
+
+def fsdp_root_params(cfg: LlamaConfig, layout: Layout, stage: dict) -> int:
+    """FSDP's root unit: what is not inside a block (embedding, final norm, head)."""
+    return stage["embedding"] + stage["head"] + stage["final_norm"]
+
+
+# ---------------------------------------------------------------- model states
+
+def model_state_bytes(n_params: int, zero: int, shard: int) -> dict:
+    """llmsplit's model states per device: fp32 params, fp32 grads, fp32 Adam moments.
+
+    zero 1 shards only the optimizer state (DDP + ZeroRedundancyOptimizer);
+    zero 2 and 3 (FSDP2) shard all three; what differs between them is what is gathered
+    for compute, counted under communication buffers.
+    """
+    n = shard if zero >= 1 else 1
+    params = FP32 * n_params // (n if zero >= 2 else 1)
+    grads = FP32 * n_params // (n if zero >= 2 else 1)
+    optimizer = 2 * FP32 * n_params // n
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def zero_paper_bytes(n_params: float, zero: int, n: int) -> float:
+    """The ZeRO paper's classic mixed-precision Adam accounting (bf16/fp16 params and grads
+    plus fp32 master, momentum, variance = 16 bytes per parameter), per device."""
+    if zero == 0:
+        return 16 * n_params
+    if zero == 1:
+        return 4 * n_params + 12 * n_params / n
+    if zero == 2:
+        return 2 * n_params + 14 * n_params / n
+    return 16 * n_params / n
+
+
+# ---------------------------------------------------------------- activations
+
+def compute_pattern(layout: Layout, work: Workload) -> str:
+    if work.precision == "fp32":
+        return "fp32"
+    return "mixed_params" if layout.zero >= 2 else "autocast"
+
+
+def layer_activation_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str,
+                           checkpoint: str = "none", fused_attention: bool = True) -> int:
+    """Bytes one decoder layer saves for backward for one micro-batch of b×s tokens.
+
+    Term by term (per token; h dim, k = n_kv_heads·head_dim, f ffn_dim, a heads, c compute
+    bytes, t tp; the norm part and rsqrt divide by t only with sequence parallel):
+      2 RMSNorms      fp32/autocast: input x + x·rsqrt, both fp32: 2·8h; mixed params: 2·(4+c)h
+      linear inputs   fp32: 4h (q/k/v) + 4h (w1/w3) shared; autocast casts the normed input
+                      once per linear: 3ch + 2ch; mixed params: ch + ch
+      q, k, v         c(h + 2k)/t          (after rope: SDPA's inputs)
+      SDPA            out ch/t + logsumexp 4a/t (fused kernel; the math kernel instead
+                      keeps the a·s probabilities and k, v repeated to all heads)
+      SwiGLU          gate, silu(gate), up, product: 4cf/t
+      rsqrt           2·4
+    plus rope tables cast to c (4·s·head_dim·c per micro-batch) when c ≠ 4.
+    """
+    h, a, f = cfg.dim, cfg.n_heads, cfg.ffn_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    c = 4 if pattern == "fp32" else 2
+    t = layout.tp
+    sp = layout.sp
+    per_norm_region = (lambda x: x / t) if sp else (lambda x: x)
+    r = c if pattern == "mixed_params" else FP32  # residual stream dtype
+    tokens = b * s
+    if checkpoint == "full":
+        return int(tokens * per_norm_region(r * h))
+    if checkpoint == "selective":
+        # parallel/memory.py keeps the matmul outputs (q, k, v, wo, w1, w3, w2) and the
+        # block input; norms, rope, attention and SiLU are recomputed from them.
+        kept = per_norm_region(r * h) + c * (h + 2 * kv) / t + 2 * c * f / t + per_norm_region(2 * c * h)
+        return int(tokens * kept)
+    norms = {"fp32": 16 * h, "autocast": 16 * h, "mixed_params": 2 * (4 + c) * h}[pattern]
+    linear_in = {"fp32": 8 * h, "autocast": 5 * c * h, "mixed_params": 2 * c * h}[pattern]
+    if fused_attention:
+        attention = c * (h + 2 * kv) / t + c * h / t + 4 * a / t
+    else:
+        attention = c * 3 * h / t + c * h / t + c * a * s / t
+    mlp = 4 * c * f / t
+    per_token = per_norm_region(norms + 8) + linear_in + attention + mlp
+    rope_casts = 0 if c == 4 else 4 * s * cfg.head_dim * c
+    return int(tokens * per_token + rope_casts)
+
+
+def backward_working_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str) -> int:
+    """Gradients of activations alive while one layer runs backward: the residual
+    gradient in and out plus the three ffn-sized intermediates."""
+    c = 4 if pattern == "fp32" else 2
+    r = c if pattern == "mixed_params" else FP32
+    return int(b * s * (2 * r * cfg.dim + 3 * c * cfg.ffn_dim / layout.tp))
+
+
+def head_activation_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str) -> dict:
+    """Final norm, and the loss over the vocabulary: the logits (compute dtype) are upcast to
+    fp32; log_softmax keeps its fp32 output; its backward holds that, the incoming gradient
+    and its own fp32 result at once, while the trainer still references the logits."""
+    h = cfg.dim
+    c = 4 if pattern == "fp32" else 2
+    tokens = b * s
+    vocab = cfg.vocab_size / layout.tp  # loss parallel keeps the vocabulary split
+    norm = {"fp32": 12 * h, "autocast": 8 * h + c * h, "mixed_params": (4 + 2 * c) * h}[pattern]
+    logits = tokens * vocab * c
+    loss_peak = tokens * vocab * 3 * FP32
+    return {"final_norm": int(tokens * norm), "logits": int(logits), "loss_peak": int(logits + loss_peak)}
+
+
+def in_flight(layout: Layout, stage: int, m: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of
+    (one micro-batch × all layers of the rank)."""
+    p, v = layout.pp, layout.chunks
+    if p == 1:
+        return 1
+    sched = layout.pp_schedule
+    if sched == "gpipe":
+        return m
+    if sched == "1f1b":
+        return min(p - stage, m)
+    if sched == "interleaved_1f1b":
+        # Megatron's warm-up: (p - rank - 1)·2 + (v - 1)·p chunk-micro-batches, plus the one
+        # in flight, each holding 1/v of the rank's layers.
+        return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    if sched == "zbv":
+        return min(p, m)  # same peak as 1F1B's first stage (Qi et al. 2024)
+    return min(p + 1, m)  # dualpipev: one more than 1F1B (DeepSeek-V3 report)
+
+
+# ---------------------------------------------------------------- per device
+
+def training_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:
+    """The fullest pipeline stage's memory on one device."""
+    # The first stage holds the most micro-batches in flight, the last one the loss; the
+    # stages between hold the same parameters and fewer activations than the first.
+    stages = [_training_stage(cfg, layout, work, device, i) for i in sorted({0, layout.pp - 1})]
+    return max(stages, key=lambda bd: bd.total)
+
+
+def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device, stage: int) -> Breakdown:
+    sp_ = stage_params(cfg, layout, stage)
+    n_params = sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"]
+    pattern = compute_pattern(layout, work)
+    c = work.compute_bytes
+    b, s = layout.micro_batch, work.seq_len
+    m = microbatches(layout, work)
+    layers = cfg.n_layers // layout.pp
+    fused = device.kind == "cpu" or work.precision != "fp32"
+
+    states = model_state_bytes(n_params, layout.zero, layout.shard)
+    host = 0
+    if layout.offload == "cpu":
+        # FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer state live on the host.
+        host = sum(states.values())
+        states = {"params": 0, "grads": 0, "optimizer": 0}
+    elif layout.offload == "nvme":
+        # The moments live in a file; NvmeAdamW keeps at most one group resident.
+        states["optimizer"] = 0
+
+    # Saved activations at the start of the last in-flight micro-batch's backward.
+    per_layer = layer_activation_bytes(cfg, b, s, layout, pattern, layout.activation_checkpoint, fused)
+    full_layer = layer_activation_bytes(cfg, b, s, layout, pattern, "none", fused)
+    held = in_flight(layout, stage, m)
+    saved = held * layers * per_layer
+    recompute = full_layer if layout.activation_checkpoint != "none" else 0
+    head = head_activation_bytes(cfg, b, s, layout, pattern) if sp_["has_head"] else \
+        {"final_norm": 0, "logits": 0, "loss_peak": 0}
+    saved += held * head["final_norm"]
+    # Autocast keeps a bf16 copy of every matmul weight for backward (zero 0/1 only).
+    head_matrix = cfg.vocab_size * cfg.dim // layout.tp if sp_["has_head"] else 0
+    matmul_params = sp_["layers"] - layers * 2 * cfg.dim + head_matrix
+    autocast_weights = matmul_params * c if pattern == "autocast" else 0
+    working = backward_working_bytes(cfg, b, s, layout, pattern)
+    backward_peak = int(saved + autocast_weights + max(head["loss_peak"], recompute + working))
+    # The first micro-batch of a step starts backward with no gradients allocated yet.
+    grads_absent = states["grads"] if m == 1 else 0
+
+    # Optimizer step: AdamW's temporaries (the foreach path on GPUs makes one fp32 copy of
+    # all local parameters for sqrt(v); the CPU path one tensor at a time), NVMe offload's
+    # resident group, and the logits, which the training loop still references.
+    sharded = layout.shard if layout.zero >= 2 else 1
+    if layout.offload == "cpu":
+        step_tmp = 0  # the step runs on the host
+    elif device.kind == "cpu":
+        step_tmp = FP32 * _largest_tensor(cfg, layout) // sharded
+    else:
+        step_tmp = FP32 * n_params // (layout.shard if layout.zero >= 1 else 1)
+    if layout.offload == "nvme":
+        step_tmp += min(NVME_GROUP_BYTES, 2 * FP32 * n_params // (layout.shard if layout.zero >= 1 else 1))
+    step_peak = step_tmp + head["logits"]
+    activations = max(backward_peak - grads_absent, step_peak)
+
+    comm = _comm_buffers(cfg, layout, work, sp_, c)
+    tensors = sum(states.values()) + activations + comm["total"]
+    overhead = int(device.runtime_bytes + device.alloc_slack * tensors)
+    detail = {"n_params": n_params, "pattern": pattern, "in_flight_microbatches": held,
+              "per_layer_activation": per_layer, "saved_activations": int(saved),
+              "autocast_weight_copies": autocast_weights, "loss_peak": head["loss_peak"],
+              "backward_peak": backward_peak, "optimizer_step_peak": step_peak,
+              "grads_absent_at_peak": grads_absent, "comm": comm, "microbatches": m}
+    return Breakdown(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+                     activations=int(activations), comm_buffers=comm["total"], overhead=overhead,
+                     host=host, stage=stage, detail=detail)
+
+
+def _largest_tensor(cfg: LlamaConfig, layout: Layout) -> int:
+    return max(cfg.vocab_size * cfg.dim // layout.tp, cfg.dim * cfg.ffn_dim // layout.tp)
+
+
+def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict, c: int) -> dict:
+    out = {}
+    n_params = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
+    if layout.dp > 1 and layout.zero <= 1:
+        out["ddp_buckets"] = FP32 * n_params  # all buckets, allocated once, 25 MB each
+    if layout.zero >= 2:
+        unit = layer_params(cfg, layout.tp)
+        # The root unit is never resharded after forward; zero 2 keeps every block gathered
+        # from forward to backward, zero 3 holds the current block and prefetches the next.
+        root = fsdp_root_params(cfg, layout, stage)
+        out["gathered_params"] = c * (n_params if layout.zero == 2 else root + 2 * unit)
+        # A block's unsharded gradient in compute dtype, and its fp32 copy for reduce-scatter.
+        out["unsharded_grads"] = (c + FP32) * max(unit, root) if c != FP32 else FP32 * max(unit, root)
+        if microbatches(layout, work) > 1:
+            # Without gradient sync (every micro-batch but the last) FSDP2 keeps each
+            # block's unsharded gradient, upcast to the fp32 reduce dtype, until the last.
+            out["accumulated_unsharded_grads"] = FP32 * n_params
+    tokens = layout.micro_batch * work.seq_len
+    if layout.tp > 1:
+        out["tp_collectives"] = 2 * tokens * cfg.dim * c  # an all-gather output and its input
+    if layout.pp > 1:
+        out["pp_send_recv"] = 2 * tokens * cfg.dim * c // (layout.tp if layout.sp else 1)
+    out["total"] = int(sum(out.values()))
+    return out
+
+
+def inference_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:
+    """Weights in the compute dtype + KV cache for `global_batch` sequences of `seq_len`
+    tokens + the prefill workspace (one layer's intermediates and the prompt's logits)."""
+    c = work.compute_bytes
+    t = layout.tp
+    stages = []
+    for stage in range(layout.pp):
+        sp_ = stage_params(cfg, layout, stage)
+        weights = c * (sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"])
+        layers = cfg.n_layers // layout.pp
+        tokens = work.global_batch * work.seq_len
+        kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * tokens
+        layer_tmp = tokens * c * (3 * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.ffn_dim) / t
+        logits = tokens * cfg.vocab_size / t * c + work.global_batch * cfg.vocab_size * FP32 if sp_["has_head"] else 0
+        workspace = int(layer_tmp + logits)
+        comm = 2 * tokens * cfg.dim * c if t > 1 or layout.pp > 1 else 0
+        tensors = weights + kv + workspace + comm
+        stages.append(Breakdown(params=weights, grads=0, optimizer=0, activations=int(kv + workspace),
+                                comm_buffers=comm, overhead=int(device.runtime_bytes + device.alloc_slack * tensors),
+                                stage=stage, detail={"kv_cache": kv, "workspace": workspace}))
+    return max(stages, key=lambda bd: bd.total)
+
+
+def memory_per_device(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:
+    if work.mode == "infer":
+        return inference_memory(cfg, layout, work, device)
+    return training_memory(cfg, layout, work, device)

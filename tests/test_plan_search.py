@@ -1,0 +1,135 @@
+"""The planner end to end: what fits where, the advice when nothing does, bad input, and
+configs that `llmsplit train` accepts."""
+
+import json
+
+import pytest
+
+from llmsplit import plan
+from llmsplit.cli import main
+from llmsplit.config import load_config, model_config, validate
+from llmsplit.models.presets import preset_config
+from llmsplit.plan.cost import model_flops_per_token, training_cost
+from llmsplit.plan.hardware import get_device
+from llmsplit.plan.layout import Layout, Workload
+
+
+def test_llama3_70b_on_64_h100_has_layouts_that_fit_none_over_80gb():
+    report = plan(model="llama-3-70b", gpus=64, gpu="H100-80GB", seq_len=8192, top=1000)
+    fitting = [lay for lay in report["layouts"] if lay["fits"]]
+    assert fitting and report["fitting"] == len(fitting)
+    # "80GB" is 80 GiB of HBM, of which torch can use 79.1 GiB.
+    assert all(lay["memory_per_device"]["total"] <= report["hardware"]["memory_bytes"] < 80 * 2**30
+               for lay in fitting)
+    # Ranked by predicted throughput, and every term is there and adds up.
+    speeds = [lay["tokens_per_s"] for lay in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    mem = fitting[0]["memory_per_device"]
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert 0 < fitting[0]["mfu"] < 1
+    # Replicating the whole model cannot fit: 16 bytes × 70.6 B parameters.
+    ddp = plan(model="llama-3-70b", gpus=64, gpu="H100-80GB", seq_len=8192, layout="zero=0,tp=1,pp=1")
+    assert not ddp["layouts"][0]["fits"] and "model state" in ddp["layouts"][0]["why_not"]
+
+
+def test_llama3_70b_on_one_rtx4090_fits_nothing_and_names_the_device_count():
+    report = plan(model="llama-3-70b", gpus=1, gpu="RTX4090-24GB", seq_len=8192)
+    assert report["fitting"] == 0
+    assert "needs at least" in report["advice"] and "× RTX4090-24GB" in report["advice"]
+    assert all(lay["why_not"] for lay in report["layouts"])
+
+
+def test_why_not_proposes_a_change_that_fits():
+    report = plan(model="llama-3-8b", gpus=8, gpu="H100-80GB", seq_len=8192, global_batch=16,
+                  layout="zero=3,micro_batch=2,activation_checkpoint=none")
+    why = report["layouts"][0]["why_not"]
+    assert "activations" in why and "use " in why
+    fix = why.split("use ")[1].split(" or ")[0]
+    fixed = plan(model="llama-3-8b", gpus=8, gpu="H100-80GB", seq_len=8192, global_batch=16,
+                 layout=f"zero=3,micro_batch=2,activation_checkpoint=none,{fix}".replace(
+                     "activation_checkpoint=none,activation_checkpoint", "activation_checkpoint"))
+    assert fixed["layouts"][0]["fits"]
+
+
+def test_flops_and_pipeline_bubble():
+    cfg = preset_config("llama-2-7b")
+    # 6 × matmul parameters + 12·L·h·s; the 7B's embedding table does no matmul.
+    matmul = cfg.num_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
+    assert model_flops_per_token(cfg, 4096) == 6 * matmul + 12 * 32 * 4096 * 4096
+    dev = get_device("H100-80GB")
+    work = Workload(seq_len=4096, global_batch=32)
+    one = training_cost(cfg, Layout(dp=1, pp=4, micro_batch=1, pp_schedule="1f1b", activation_checkpoint="full"),
+                        work, dev)
+    inter = training_cost(cfg, Layout(dp=1, pp=4, micro_batch=1, pp_schedule="interleaved_1f1b",
+                                      pp_virtual_stages=2, activation_checkpoint="full"), work, dev)
+    mb = one.detail["compute_s"] / 32
+    assert one.detail["bubble_s"] == pytest.approx(3 * mb)  # (p − 1) micro-batch times
+    assert inter.detail["bubble_s"] == pytest.approx(3 * mb / 2)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "llama-9", "--gpus", "8"], "llama-3-70b"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--gpu", "V100"], "H100-80GB"),
+    (["--model", "llama-3-8b", "--gpus", "0"], "--gpus 0"),
+    (["--model", "llama-3-8b", "--gpus", "-3"], "--gpus -3"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--layout", "tp=3"], "3×1 does not divide"),
+    (["--model", "llama-3-8b", "--gpus", "6", "--layout", "tp=3"], "tp=3 does not divide"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--layout", "pp=8,tp=1"], None),
+    (["--model", "llama-3-8b", "--gpus", "6", "--layout", "pp=6"], "pp=6"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--layout", "zero=7"], "zero=7"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--seq-len", "0"], "--seq-len 0"),
+])
+def test_bad_input_exits_2_with_one_sentence(argv, needle, capsys):
+    code = main(["plan", *argv])
+    err = capsys.readouterr().err
+    if needle is None:  # a valid layout: the control case
+        assert code == 0
+        return
+    assert code == 2
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unparsable_config_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\npreset = ")
+    assert main(["plan", "--model", str(bad), "--gpus", "2", "--gpu", "cpu"]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_json_shape(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "8", "--json", "--top", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["params"] == preset_config("llama-3-8b").num_params()
+    assert doc["hardware"]["gpu"] == "H100-80GB" and len(doc["layouts"]) == 3
+    lay = doc["layouts"][0]
+    assert set(lay["memory_per_device"]) == {"params", "grads", "optimizer", "activations", "comm_buffers",
+                                             "overhead", "total"}
+    assert all(isinstance(v, int) for v in lay["memory_per_device"].values())
+    assert {"layout", "fits", "why_not", "step_time_s", "tokens_per_s", "mfu"} <= set(lay)
+
+
+def test_inference_mode(capsys):
+    assert main(["plan", "--model", "llama-3-70b", "--gpus", "2", "--gpu", "H200-141GB", "--mode", "infer",
+                 "--seq-len", "8192", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fitting"] >= 1
+    best = doc["layouts"][0]
+    # 70.6 B bf16 weights over 2 devices, plus the KV cache.
+    assert best["memory_per_device"]["params"] == pytest.approx(2 * 70.55e9 / 2, rel=0.02)
+
+
+def test_emit_config_is_accepted_by_train(tmp_path, capsys):
+    src = tmp_path / "run.toml"
+    src.write_text('[model]\npreset = "tiny"\n[data]\nseq_len = 64\n[train]\nsteps = 2\nglobal_batch = 8\n'
+                   'micro_batch = 2\n')
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--model", str(src), "--gpus", "2", "--gpu", "cpu", "--emit-config", str(out)]) == 0
+    cfg = load_config(out)
+    validate(cfg, 2, model_config(cfg, 258), 258)
+    assert cfg.train.steps == 2 and cfg.data.seq_len == 64  # the rest of the source config is kept
+    # The preset path writes a config too.
+    out2 = tmp_path / "preset.toml"
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--seq-len", "128",
+                 "--emit-config", str(out2)]) == 0
+    cfg2 = load_config(out2)
+    validate(cfg2, 2, model_config(cfg2, 258), 258)

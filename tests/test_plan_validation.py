@@ -1,0 +1,48 @@
+"""The planner against a real run: `llmsplit train` on 2 CPU workers with a ~25M-parameter
+model, predicted model state within 3% and peak memory within 25% of summary.json."""
+
+import json
+
+import pytest
+
+from helpers import run_cli
+from llmsplit.config import load_config, model_config, validate
+from llmsplit.plan.api import predict_for_config
+
+CONFIG = """
+[model]
+preset = "tiny"
+dim = 512
+n_layers = 8
+n_heads = 8
+n_kv_heads = 4
+ffn_dim = 1376
+max_seq_len = 128
+[data]
+seq_len = 64
+[train]
+steps = 2
+global_batch = 8
+micro_batch = 2
+warmup_steps = 1
+[parallel]
+zero = 0
+"""
+
+
+@pytest.mark.slow
+def test_prediction_matches_a_real_ddp_run(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(CONFIG)
+    run_cli("train", "--config", str(path), "--nproc", "2", "--run-dir", str(tmp_path / "run"), timeout=240)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    cfg = load_config(path)
+    model_cfg = model_config(cfg, 258)
+    validate(cfg, 2, model_cfg, 258)
+    assert 20e6 < model_cfg.num_params() < 30e6
+    pred = predict_for_config(cfg, model_cfg, 2, gpu="cpu")
+    for rank in summary["per_rank"]:
+        measured_state = rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
+        assert pred["model_state_bytes"] == pytest.approx(measured_state, rel=0.03)
+        assert pred["memory_per_device"]["total"] == pytest.approx(rank["peak_mem_bytes"], rel=0.25)
