@@ -1,27 +1,54 @@
-"""`python -m benchmarks [ddp]`: run the side-by-side benchmarks and print a markdown table
-(median over alternating rounds). Results worth keeping go into BENCHMARKS.md by hand,
-with the command and the date."""
+"""`python -m benchmarks [--quick] [--out FILE] [NAME ...]`: run the side-by-side benchmarks
+and write a markdown report (machine, versions, medians over alternating rounds, ratios).
 
-import json
+`--quick` (tiny sizes, one round) is what the test suite runs so the suite cannot rot;
+the full mode is run by hand and its report committed as BENCHMARKS.md.
+"""
+
+import argparse
+import os
+import platform
 import sys
+from datetime import datetime, timezone
+
+import torch
 
 from . import ddp
 
 BENCHMARKS = {"ddp": ddp}
 
 
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}"
+
+
 def main(argv):
-    names = argv or list(BENCHMARKS)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks")
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default all: {', '.join(BENCHMARKS)})")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (used by the tests)")
+    ap.add_argument("--out", default=None, help="markdown report to write (default: print only)")
+    args = ap.parse_args(argv)
+    names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        print(f"unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
-        return 2
-    print("| benchmark | llmsplit tokens/s | peer tokens/s | ratio |")
-    print("| --- | ---: | ---: | ---: |")
+        ap.error(f"unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHMARKS)}")
+    lines = [f"Run {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine()}"
+             + (" (quick mode: not for quoting)" if args.quick else ""), ""]
     for name in names:
-        result = BENCHMARKS[name].main()
-        print(BENCHMARKS[name].to_markdown(result))
-        print(json.dumps(result), file=sys.stderr)
+        mod = BENCHMARKS[name]
+        result = mod.main(quick=args.quick)
+        lines += [f"### {mod.TITLE}", "", f"Command: `python -m benchmarks {name}`", "", *mod.to_markdown(result), ""]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
     return 0
 
 
