@@ -82,7 +82,6 @@ def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
     try:
         mesh = init_device_mesh("cpu", (1,))

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from llmsplit.launch import free_port
+
 from helpers import TINY, assert_close_losses, losses, run_cli, train
 
 pytestmark = pytest.mark.slow
@@ -65,7 +67,7 @@ def test_resume_continues_exactly_even_on_another_world_size(reference, tmp_path
 
 
 def test_runs_inside_torchrun(reference, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "llmsplit", "train", "--run-dir", str(tmp_path / "run")]
     for s in (*TINY, "train.steps=6"):
         cmd += ["--set", s]
@@ -100,7 +102,7 @@ def test_python_api_generates_the_cli_greedy_tokens(reference):
 
 def test_two_nodes_on_one_machine_match_one_process(reference, tmp_path):
     """--nnodes/--node-rank/--master-addr/--master-port: two launchers, one worker each."""
-    port = "29571"
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(node),
@@ -135,3 +137,11 @@ def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path):
     tokens.write_bytes(tokens.read_bytes()[:80])
     proc = train(tmp_path / "run", *TINY, f"data.source={tokens}", nproc=2, check=False)
     assert proc.returncode == 2 and "is truncated" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(reference, tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, *TINY, "train.steps=6", "checkpoint.every=2", nproc=2, extra=("--max-restarts", "2"),
+                 env={"LLMSPLIT_FAULT": "1:4:kill"})
+    assert "resumed from" in proc.stderr and "step_2" in proc.stderr, proc.stderr[-2000:]
+    assert_close_losses(losses(run), losses(reference))
