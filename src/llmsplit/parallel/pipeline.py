@@ -1,0 +1,168 @@
+"""Pipeline parallel with `torch.distributed.pipelining`.
+
+The stack of layers is cut into stages balanced by cost (the output head and the
+embedding weigh too, not only the layer count) and each pipeline rank keeps the layers of
+its own stages — one stage for `gpipe`/`1f1b`, `pp_virtual_stages` looped stages for
+`interleaved_1f1b`, two stages in a V for `zbv`/`dualpipev`.
+
+A rank's stages share their modules with one "rank model": a `Transformer` from which
+the layers of other ranks are deleted. Parameter names are therefore those of the full
+model, so checkpoints, the optimizer and gradient clipping all see one ordinary module
+whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from ..models.llama import LlamaConfig, Transformer
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+V_SCHEDULES = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    if schedule in V_SCHEDULES:
+        return 2
+    if schedule in SINGLE_STAGE:
+        return 1
+    return virtual_stages
+
+
+def stage_ids_of_rank(schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Looped schedules give rank r stages r, r+p, r+2p…; V schedules give r and 2p−1−r."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def layer_costs(cfg: LlamaConfig) -> tuple[list[float], float, float]:
+    """Relative forward cost of each layer, of the embedding and of norm + output head,
+    in units of one layer's matmul FLOPs per token."""
+    hd = cfg.head_dim
+    layer = cfg.dim * hd * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * hd * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    head = cfg.vocab_size * cfg.dim / layer
+    embed = 0.05 * head  # a lookup, not a matmul; still memory traffic
+    return [1.0] * cfg.n_layers, embed, head
+
+
+def split_layers(cfg: LlamaConfig, n_stages: int) -> list[list[int]]:
+    """Contiguous layers per stage, minimising the cost of the most expensive stage
+    (embedding counted on the first stage, the head on the last). Every stage gets a layer."""
+    costs, embed, head = layer_costs(cfg)
+    n = len(costs)
+    assert 1 <= n_stages <= n, (n_stages, n)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, lo: int, hi: int) -> float:
+        extra = (embed if stage == 0 else 0.0) + (head if stage == n_stages - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[s][i]: minimal max-cost of placing layers [0, i) into stages [0, s).
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(n_stages, 0, -1):
+        j = cut[s][i]
+        bounds.append(list(range(j, i)))
+        i = j
+    return bounds[::-1]
+
+
+@dataclass
+class PipelineParts:
+    rank_model: Transformer          # owns this rank's parameters under their full-model names
+    stage_modules: list[nn.Module]   # one per local stage, sharing rank_model's modules
+    stage_ids: list[int]
+    n_stages: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+
+def split_model(model: Transformer, schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> PipelineParts:
+    """Cut `model` (on meta) down to the layers of this pipeline rank."""
+    n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    layers_of_stage = split_layers(model.cfg, n_stages)
+    stage_ids = stage_ids_of_rank(schedule, pp_rank, pp, virtual_stages)
+    mine = {i for s in stage_ids for i in layers_of_stage[s]}
+    for key in [k for k in model.layers if int(k) not in mine]:
+        del model.layers[key]
+    if 0 not in stage_ids:
+        model.tok_embeddings = None
+    if n_stages - 1 not in stage_ids:
+        model.norm = None
+        model.output = None
+    stages = [_stage_view(model, layers_of_stage[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
+    return PipelineParts(model, stages, stage_ids, n_stages)
+
+
+def _stage_view(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A Transformer that runs only `layer_ids`, sharing its modules (and so parameters)
+    with `model`; Transformer.forward skips the embedding, norm and head that are None."""
+    view = Transformer.__new__(Transformer)
+    nn.Module.__init__(view)
+    view.cfg = model.cfg
+    view.tok_embeddings = model.tok_embeddings if first else None
+    view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+    view.norm = model.norm if last else None
+    view.output = model.output if last else None
+    view.register_buffer("rope_cos", model.rope_cos, persistent=False)
+    view.register_buffer("rope_sin", model.rope_sin, persistent=False)
+    return view
+
+
+def share_buffers(parts: PipelineParts) -> None:
+    """After the rank model is materialised, point every stage at its RoPE tables."""
+    for view in parts.stage_modules:
+        view.rope_cos, view.rope_sin = parts.rank_model.rope_cos, parts.rank_model.rope_sin
+
+
+def build_schedule(parts: PipelineParts, schedule: str, n_microbatches: int, loss_fn, device: torch.device,
+                   pp_group):
+    stages = [PipelineStage(m, sid, parts.n_stages, device, group=pp_group)
+              for m, sid in zip(parts.stage_modules, parts.stage_ids)]
+    cls = SCHEDULES[schedule]
+    # scale_grads=False: our loss is already a sum divided by the tokens of the whole
+    # data-parallel batch, so the micro-batch gradients simply add up.
+    if schedule in SINGLE_STAGE:
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual_stages: int) -> float:
+    """The schedule's idle fraction in theory: (p−1)/(m+p−1) for GPipe and 1F1B,
+    (p−1)/(v·m+p−1) interleaved; the V schedules overlap nearly all of it (taken as the
+    interleaved figure with v = 2, an upper bound)."""
+    if pp == 1:
+        return 0.0
+    v = stages_per_rank(schedule, virtual_stages)
+    return (pp - 1) / (v * n_microbatches + pp - 1)
