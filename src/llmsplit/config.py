@@ -8,6 +8,7 @@ and what is allowed; the command line turns it into exit status 2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,7 +49,7 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 120
+    steps: int = 200
     global_batch: int = 16
     micro_batch: int = 8
     lr: float = 3e-3
@@ -115,12 +116,8 @@ CHOICES = {
 # Keys whose features later releases deliver; refusing them here is more honest than
 # silently training something else.
 NOT_YET = {
-    "parallel.zero": (0, "only DDP (parallel.zero=0) is available in this version"),
     "parallel.tp": (1, "tensor parallel is not available in this version; use parallel.tp=1"),
     "parallel.pp": (1, "pipeline parallel is not available in this version; use parallel.pp=1"),
-    "parallel.dp_replicate": (1, "hybrid sharding needs parallel.zero>=2, not available in this version; use parallel.dp_replicate=1"),
-    "memory.activation_checkpoint": ("none", "activation checkpointing is not available in this version; use memory.activation_checkpoint=\"none\""),
-    "memory.offload": ("none", "offload is not available in this version; use memory.offload=\"none\""),
     "model.hf": (None, "loading Hugging Face folders is not available in this version; remove model.hf"),
     "model.gguf": (None, "loading GGUF files is not available in this version; remove model.gguf"),
 }
@@ -277,8 +274,12 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if t.global_batch % (par.dp * t.micro_batch):
         raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.dp × train.micro_batch "
                           f"= {par.dp}×{t.micro_batch} = {par.dp * t.micro_batch}; change one of them")
-    if mem.offload == "nvme" and not mem.offload_dir:
-        raise ConfigError("memory.offload=\"nvme\" needs memory.offload_dir set to a writable folder")
+    if mem.offload == "cpu" and par.zero < 2:
+        raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
+                          f"not {par.zero}")
+    if mem.offload == "nvme":
+        _check_offload_dir(mem.offload_dir)
+    _check_precision_supported(t.precision)
     for key, (allowed, why) in NOT_YET.items():
         if _get(cfg, key) != allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: {why}")
@@ -302,6 +303,44 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                               f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
     del ck
+
+
+def _check_offload_dir(path: str | None) -> None:
+    if not path:
+        raise ConfigError("memory.offload=\"nvme\" needs memory.offload_dir set to a writable folder")
+    if not Path(path).is_dir():
+        raise ConfigError(f"memory.offload_dir={path!r} is not an existing folder; create it or point it at one")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"memory.offload_dir={path!r} is not writable; choose a folder you can write to")
+
+
+def _check_precision_supported(precision: str) -> None:
+    """bf16/fp16 need a device that computes in them: the training device is the GPU when
+    there is one, else the CPU."""
+    if precision == "fp32":
+        return
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported() if precision == "bf16" else torch.cuda.get_device_capability() >= (5, 3)
+    else:
+        ok = _autocast_supports("cpu", dtype)
+    if not ok:
+        raise ConfigError(f"train.precision={precision!r} is not supported on this device; "
+                          f"use train.precision=\"fp32\"")
+
+
+def _autocast_supports(device_type: str, dtype) -> bool:
+    # torch's own rule: autocast disables itself (with a warning) for a dtype the device lacks.
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast(device_type, dtype=dtype):
+            return torch.is_autocast_enabled(device_type)
 
 
 def _get(cfg: Config, dotted: str):

@@ -2,29 +2,66 @@
 
 Order (the one torchtitan uses): PP split → TP → activation checkpointing → compile →
 FSDP/DDP. The model is built on the meta device, so no rank ever allocates the whole
-model before it is split; weights are then materialised on the device and initialised
-from (seed, parameter name), which gives every layout the weights of a single process.
+model before it is split; weights are then materialised on the device (already sharded
+under FSDP) and initialised from (seed, parameter name), which gives every layout the
+weights of a single process.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..config import Config
 from ..models.llama import LlamaConfig, Transformer
-from .data_parallel import apply_ddp
+from .data_parallel import apply_ddp, apply_fsdp, local_optimizer, zero1_optimizer
+from .memory import NvmeAdamW, apply_activation_checkpointing
 from .mesh import Mesh
 
 
 def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device) -> tuple[nn.Module, Transformer]:
     """Returns (the module to train, the plain model underneath it)."""
+    zero, mem = cfg.parallel.zero, cfg.memory
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    apply_activation_checkpointing(model, mem.activation_checkpoint)
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()  # in place: parameter names stay those of the plain model
-    model.to_empty(device=device)
+    if zero >= 2:
+        apply_fsdp(model, mesh, zero, cfg.train.precision, cpu_offload=mem.offload == "cpu")
+    # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
+    model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)
+    if zero >= 2:
+        return model, model
     # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
     return apply_ddp(model, mesh, device), model
+
+
+def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; ZeRO-1 shards its state over the data-parallel
+    ranks and NVMe offload keeps its moments on disk."""
+    # No weight decay on norms and biases (1-D tensors), as in the Llama recipes.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    hyper = dict(lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer_class = torch.optim.AdamW
+    if cfg.memory.offload == "nvme":
+        # Bound here, not passed with the hyperparameters: ZeRO-1 would copy those into
+        # every parameter group, and so into checkpoints.
+        optimizer_class = partial(NvmeAdamW, offload_dir=cfg.memory.offload_dir)
+    if cfg.parallel.zero == 1:
+        return zero1_optimizer(groups, mesh, optimizer_class, **hyper)
+    return optimizer_class(groups, **hyper)
+
+
+def close_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give back what the optimizer holds outside memory (NVMe offload files)."""
+    close = getattr(local_optimizer(optimizer), "close", None)
+    if close is not None:
+        close()

@@ -1,14 +1,29 @@
-"""Data parallel wrappers. This release: plain DDP (`parallel.zero = 0`)."""
+"""Data parallel wrappers, one per `parallel.zero` level.
+
+- zero 0: DDP, everything replicated.
+- zero 1: DDP for the gradients + torch's `ZeroRedundancyOptimizer`, which gives each
+  data-parallel rank the optimizer state of a share of the parameters and broadcasts the
+  updated parameters after the step.
+- zero 2 / 3: FSDP2 `fully_shard`, one unit per transformer block plus the root. Zero 2
+  keeps the gathered parameters from forward to backward (`reshard_after_forward=False`),
+  zero 3 frees them after each block's forward. With `dp_replicate > 1` the mesh is 2-D
+  (replicate × shard): hybrid sharding.
+"""
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .mesh import Mesh
+
+LOW_PRECISION = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
@@ -29,3 +44,61 @@ def _no_buffer_sync() -> dict:
     # them before each forward. torch 2.13 renamed the flag; older releases know only the old one.
     params = inspect.signature(DistributedDataParallel).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, zero: int, precision: str, cpu_offload: bool) -> nn.Module:
+    """Shard `model` (still on the meta device) in place; weights are materialised later,
+    already sharded, so no rank ever holds the whole model."""
+    assert zero in (2, 3), zero
+    dp_mesh = mesh.mesh["dp_replicate", "dp_shard"] if mesh.dims.dp_replicate > 1 else mesh.mesh["dp_shard"]
+    kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision)}
+    if cpu_offload:
+        # Pinned host memory needs an accelerator; a CPU-only build refuses it.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+    reshard = zero == 3
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root holds the embedding, final norm and output layer; FSDP never frees the
+    # root's parameters after forward (they are needed first in backward).
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    return model
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Compute in the low-precision dtype, keep fp32 master weights and reduce gradients
+    in fp32 (summing many low-precision shards loses bits)."""
+    return MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)
+
+
+def autocast_dtype(zero: int, precision: str) -> torch.dtype | None:
+    """The dtype the trainer autocasts to: DDP computes under autocast; FSDP casts the
+    gathered parameters itself (its MixedPrecisionPolicy), so it needs none."""
+    return None if zero >= 2 else LOW_PRECISION[precision]
+
+
+def zero1_optimizer(param_groups: list[dict], mesh: Mesh, optimizer_class, **defaults) -> ZeroRedundancyOptimizer:
+    """Each data-parallel rank keeps the optimizer state of about 1/dp of the parameters
+    (whole tensors, balanced by size) and broadcasts the ones it updated."""
+    return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class,
+                                   process_group=mesh.group("dp"), **defaults)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's inner optimizer (over this
+    rank's share of the parameters), or the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+@contextmanager
+def no_grad_sync(model: nn.Module):
+    """Accumulate gradients locally for a micro-batch that is not the last of the step:
+    no all-reduce (DDP) or reduce-scatter (FSDP) until the last one."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield

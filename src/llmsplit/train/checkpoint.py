@@ -13,12 +13,14 @@ import base64
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -26,6 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..io.run_dir import STATE_FILE, list_checkpoints
+from ..parallel.data_parallel import local_optimizer
+
+# Optimizer state keyed by parameter name ("state.<name>.exp_avg"), one entry per
+# parameter: every layout writes and reads the same keys, and a rank that holds the state
+# of only some parameters (ZeRO-1, pipeline stages) writes just those.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int) -> Path:
@@ -37,7 +45,7 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
         ck_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if rank0:
@@ -55,13 +63,40 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
     return final
 
 
+def _optim_state(model, optimizer) -> dict:
+    # ZeRO-1's inner optimizer holds this rank's share; the other ranks write the rest.
+    with _without_empty_groups(local_optimizer(optimizer)) as local:
+        return get_optimizer_state_dict(model, local, options=_OPTIM)
+
+
+def _load_optim_state(model, optimizer, state: dict) -> None:
+    with _without_empty_groups(local_optimizer(optimizer)) as local:
+        set_optimizer_state_dict(model, local, state, options=_OPTIM)
+
+
+@contextmanager
+def _without_empty_groups(optimizer):
+    """torch's flattened optimizer state dict cannot express a parameter group with no
+    parameters (it names groups by their first parameter), which a ZeRO-1 rank has when
+    all of a group's parameters went to other ranks. Hide such groups meanwhile; they
+    carry no state."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield optimizer
+    finally:
+        # load_state_dict replaces the group dicts; put the new ones back in place.
+        kept = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(kept) if g["params"] else g for g in groups]
+
+
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model and optimizer state in place; returns the trainer state."""
     path = Path(path)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    _load_optim_state(model, optimizer, state["optim"])
     train_state = json.loads((path / STATE_FILE).read_text())
     rng = train_state.pop("rng", None)
     if rng is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parallel.data_parallel import local_optimizer
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -24,13 +26,18 @@ def tensor_bytes(tensors) -> int:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
+    """Bytes of parameters, gradients and optimizer state that this rank actually holds
+    in memory; optimizer state kept in files on disk (NVMe offload) is counted apart."""
     params = list(model.parameters())
-    optim = [v for state in optimizer.state.values() for v in state.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    local = local_optimizer(optimizer)  # ZeRO-1: only this rank's share has state
+    on_disk = getattr(local, "offloaded_tensors", list)()
+    disk_ids = {id(t) for t in on_disk}
+    optim = [v for state in local.state.values() for v in state.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0 and id(v) not in disk_ids]
     return {"param_bytes": tensor_bytes(params),
             "grad_bytes": tensor_bytes(p.grad for p in params),
-            "optim_bytes": tensor_bytes(optim)}
+            "optim_bytes": tensor_bytes(optim),
+            "offloaded_bytes": tensor_bytes(on_disk)}
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -27,13 +28,12 @@ from ..data.corpus import load_tokens
 from ..data.loader import BatchSampler
 from ..io.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, checkpoint_dir, list_checkpoints, resolve_checkpoint
 from ..io.tokenizer import load_tokenizer
-from ..parallel.apply import build_parallel_model
+from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
+from ..parallel.data_parallel import autocast_dtype, no_grad_sync
 from ..parallel.mesh import Mesh, ParallelDims
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import peak_memory_bytes, reset_peak_memory, state_bytes
 from .progress import Progress, print_summary
-
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -106,7 +106,7 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
 
     model, plain = build_parallel_model(model_cfg, cfg, mesh, device)
-    optimizer = _optimizer(plain, cfg)
+    optimizer = build_optimizer(plain, cfg, mesh)
     sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
                            cfg.train.global_batch, cfg.train.seed)
     ck_dir = checkpoint_dir(cfg, run_dir)
@@ -125,7 +125,9 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     per_rank = t.global_batch // dp_size
     n_micro = per_rank // t.micro_batch
     tokens_per_step = t.global_batch * cfg.data.seq_len
-    autocast_dtype = _DTYPES[t.precision]
+    amp_dtype = autocast_dtype(cfg.parallel.zero, t.precision)
+    # With FSDP the gradients are DTensor shards; DTensor max-reduces the scaler's
+    # found-inf flag over the shards, so every rank skips an overflowing step together.
     scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
     progress = Progress(t.steps, start_step) if rank0 else None
     metrics_file = open(run_dir / METRICS_FILE, "a") if rank0 else None
@@ -134,6 +136,7 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
 
     reset_peak_memory(device)
     for step in range(start_step + 1, t.steps + 1):
+        _maybe_inject_fault(rank, step)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -144,8 +147,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
             mb = batch[i * t.micro_batch:(i + 1) * t.micro_batch]
             inputs, targets = mb[:, :-1], mb[:, 1:]
             # Gradients are averaged across ranks only on the last micro-batch.
-            sync = model.no_sync() if i < n_micro - 1 else nullcontext()
-            amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+            sync = no_grad_sync(model) if i < n_micro - 1 else nullcontext()
+            amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
             with sync:
                 with amp:
                     logits = model(inputs)
@@ -157,6 +160,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients give a DTensor norm
+            grad_norm = grad_norm.full_tensor()
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -188,6 +193,7 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         save_checkpoint(ck_dir, t.steps, model, optimizer, _train_state(t.steps, cfg, sampler), cfg.checkpoint.keep)
     if held is None:
         held = state_bytes(plain, optimizer)
+    close_optimizer(optimizer)
     per_rank_info = {"rank": rank, "peak_mem_bytes": peak_memory_bytes(device), **held}
     gathered = [None] * world
     dist.all_gather_object(gathered, per_rank_info)
@@ -199,15 +205,6 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     print_summary(summary, run_dir, first_loss)
     return summary
-
-
-def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    # No weight decay on norms and biases (1-D tensors), as in the Llama recipes.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def _resume_source(resume: str, run_dir: Path, ck_dir: Path) -> Path | None:
@@ -263,3 +260,18 @@ def _last_logged_loss(run_dir: Path) -> float | None:
     path = run_dir / METRICS_FILE
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return json.loads(lines[-1])["loss"] if lines else None
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """`LLMSPLIT_FAULT=RANK:STEP[:kill]` makes that rank raise (or die by SIGKILL) at that
+    step of the first attempt: how the tests check failure reports and crash restarts
+    without waiting for a real crash."""
+    spec = os.environ.get("LLMSPLIT_FAULT", "")
+    parts = spec.split(":")
+    if len(parts) < 2 or parts[:2] != [str(rank), str(step)]:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if parts[2:] == ["kill"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"fault injected by LLMSPLIT_FAULT={spec}")
