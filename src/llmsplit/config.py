@@ -116,8 +116,6 @@ CHOICES = {
 # Keys whose features later releases deliver; refusing them here is more honest than
 # silently training something else.
 NOT_YET = {
-    "parallel.tp": (1, "tensor parallel is not available in this version; use parallel.tp=1"),
-    "parallel.pp": (1, "pipeline parallel is not available in this version; use parallel.pp=1"),
     "model.hf": (None, "loading Hugging Face folders is not available in this version; remove model.hf"),
     "model.gguf": (None, "loading GGUF files is not available in this version; remove model.gguf"),
 }
@@ -274,6 +272,8 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if t.global_batch % (par.dp * t.micro_batch):
         raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.dp × train.micro_batch "
                           f"= {par.dp}×{t.micro_batch} = {par.dp * t.micro_batch}; change one of them")
+    if par.pp > 1:
+        _check_pipeline(cfg)
     if mem.offload == "cpu" and par.zero < 2:
         raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
                           f"not {par.zero}")
@@ -293,9 +293,22 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
                               f"model.n_kv_heads={model_cfg.n_kv_heads}")
         if model_cfg.head_dim % 2:
             raise ConfigError(f"model.dim / model.n_heads = {model_cfg.head_dim} must be even for rotary embeddings")
-        if model_cfg.n_layers < par.pp * par.pp_virtual_stages:
-            raise ConfigError(f"model.n_layers={model_cfg.n_layers} is fewer than parallel.pp × pp_virtual_stages = "
-                              f"{par.pp * par.pp_virtual_stages}; lower parallel.pp")
+        n_stages = par.pp * pipeline_stages_per_rank(par.pp_schedule, par.pp_virtual_stages) if par.pp > 1 else 1
+        if model_cfg.n_layers < n_stages:
+            raise ConfigError(f"model.n_layers={model_cfg.n_layers} is fewer than the {n_stages} pipeline stages "
+                              f"(parallel.pp × stages per rank of {par.pp_schedule!r}); lower parallel.pp or "
+                              f"parallel.pp_virtual_stages")
+        if par.pp > 1 and model_cfg.tie_embeddings:
+            raise ConfigError("model.tie_embeddings=true shares the embedding with the output head, which pipeline "
+                              "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
+        for key in ("n_kv_heads", "ffn_dim"):
+            if getattr(model_cfg, key) % par.tp:
+                raise ConfigError(f"model.{key}={getattr(model_cfg, key)} is not divisible by parallel.tp={par.tp}; "
+                                  f"choose a tensor-parallel degree that divides it")
+        if model_cfg.vocab_size % par.tp:
+            padded = -(-model_cfg.vocab_size // par.tp) * par.tp
+            raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is not divisible by parallel.tp={par.tp}; "
+                              f"set model.vocab_size={padded} (the extra rows are never used)")
         if d.seq_len > model_cfg.max_seq_len:
             raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
                               f"lower data.seq_len or raise model.max_seq_len")
@@ -303,6 +316,36 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                               f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
     del ck
+
+
+def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each pipeline rank holds: two in a V for zbv/dualpipev, pp_virtual_stages
+    for interleaved_1f1b, one otherwise."""
+    if schedule in ("zbv", "dualpipev"):
+        return 2
+    return virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+def _check_pipeline(cfg: Config) -> None:
+    par, t = cfg.parallel, cfg.train
+    if par.pp_virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zbv", "dualpipev"):
+        raise ConfigError(f"parallel.pp_virtual_stages={par.pp_virtual_stages} needs "
+                          f"parallel.pp_schedule=\"interleaved_1f1b\" (or 1)")
+    if par.pp_schedule in ("zbv", "dualpipev") and par.pp_virtual_stages not in (1, 2):
+        raise ConfigError(f"parallel.pp_schedule={par.pp_schedule!r} always puts 2 stages on each rank; "
+                          f"set parallel.pp_virtual_stages=2 (or leave it at 1)")
+    per_rank = t.global_batch // par.dp
+    if par.pp_microbatches is not None:
+        if par.pp_microbatches < 1 or per_rank % par.pp_microbatches:
+            raise ConfigError(f"parallel.pp_microbatches={par.pp_microbatches} must divide the {per_rank} sequences "
+                              f"of each data-parallel rank (train.global_batch / parallel.dp)")
+        n_micro, source = par.pp_microbatches, f"parallel.pp_microbatches={par.pp_microbatches}"
+    else:
+        n_micro = per_rank // t.micro_batch
+        source = f"train.global_batch / (parallel.dp × train.micro_batch) = {n_micro} micro-batches"
+    if n_micro < par.pp:
+        raise ConfigError(f"{source} is fewer than parallel.pp={par.pp}: the schedule needs at least one micro-batch "
+                          f"per stage; raise train.global_batch or lower train.micro_batch")
 
 
 def _check_offload_dir(path: str | None) -> None:

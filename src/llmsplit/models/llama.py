@@ -83,9 +83,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim]."""
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim], or [b, s, head_dim] when each
+    sequence of the batch is at its own position."""
+    if cos.dim() == 2:
+        # The caller passes the table from the first position on: under sequence parallel
+        # the caller sees only its shard of the sequence, the attention the whole of it.
+        cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+    cos = (cos[None, :, None, :] if cos.dim() == 2 else cos[:, :, None, :]).to(x.device, x.dtype)
+    sin = (sin[None, :, None, :] if sin.dim() == 2 else sin[:, :, None, :]).to(x.device, x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -106,16 +111,22 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
+        mask = None
         if kv_cache is not None:
             k, v = kv_cache.update(layer_id, start_pos, k, v)
+            # A cache holding sequences of different lengths supplies the mask that hides
+            # each sequence's padding; it is the same for every layer of a step.
+            mask = kv_cache.attn_mask(x.device)
         n_rep = q.shape[1] // k.shape[1]
-        if kv_cache is None or start_pos == 0:
-            mask, causal = None, True
+        total = k.shape[2]
+        if mask is not None:
+            causal = False
+        elif total == s:
+            causal = True  # nothing cached before these tokens
         elif s == 1:
-            mask, causal = None, False  # one new token attends to everything cached
+            causal = False  # one new token attends to everything cached
         else:
             # A chunk appended after cached tokens: position i sees cache + chunk[:i+1].
-            total = k.shape[2]
             mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(total - s)
             causal = False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -163,17 +174,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int | torch.Tensor = 0,
+                last_only: bool = False) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. With a `kv_cache`, `start_pos` is the
-        position of tokens[:, 0] and the cache is extended in place."""
+        position of tokens[:, 0] (an int, or a LongTensor [b] when the sequences of the batch
+        are at different positions) and the cache is extended in place. `last_only` computes
+        logits for the last position only (all that generation needs)."""
         s = tokens.shape[1]
-        if start_pos + s > self.rope_cos.shape[0]:
-            self._extend_rope(start_pos + s)
-        cos = self.rope_cos[start_pos:start_pos + s]
-        sin = self.rope_sin[start_pos:start_pos + s]
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # the caller keeps pos inside the table
+        else:
+            if start_pos + s > self.rope_cos.shape[0]:
+                self._extend_rope(start_pos + s)
+            cos = self.rope_cos[start_pos:]
+            sin = self.rope_sin[start_pos:]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, kv_cache, start_pos)
+        if last_only and self.output is not None:
+            h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -9,6 +9,7 @@ weights of a single process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -19,26 +20,58 @@ from ..models.llama import LlamaConfig, Transformer
 from .data_parallel import apply_ddp, apply_fsdp, local_optimizer, zero1_optimizer
 from .memory import NvmeAdamW, apply_activation_checkpointing
 from .mesh import Mesh
+from .pipeline import PipelineParts, make_stages, share_buffers, split_model
+from .tensor_parallel import apply_tp
 
 
-def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device) -> tuple[nn.Module, Transformer]:
-    """Returns (the module to train, the plain model underneath it)."""
-    zero, mem = cfg.parallel.zero, cfg.memory
+@dataclass
+class ParallelModel:
+    """What the trainer gets back. `model` holds this rank's parameters under the names of
+    the full model (optimizer, clipping, checkpoints use it); `module` is what a
+    non-pipelined forward calls (DDP/FSDP-wrapped); `pipeline` is set when pp > 1."""
+
+    module: nn.Module
+    model: Transformer
+    pipeline: PipelineParts | None = None
+    # Set when neither DDP nor FSDP averages the gradients (zero 0/1 with tp or pp > 1):
+    # the trainer then calls `allreduce_gradients` over this group after backward.
+    manual_grad_group: object | None = None
+
+
+def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+    par, mem = cfg.parallel, cfg.memory
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    parts = None
+    if par.pp > 1:
+        parts = split_model(model, par.pp_schedule, mesh.rank("pp"), par.pp, par.pp_virtual_stages)
+    if par.tp > 1:
+        apply_tp(model, mesh.mesh["tp"], par.sequence_parallel)
     apply_activation_checkpointing(model, mem.activation_checkpoint)
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()  # in place: parameter names stay those of the plain model
-    if zero >= 2:
-        apply_fsdp(model, mesh, zero, cfg.train.precision, cpu_offload=mem.offload == "cpu")
+    if parts is not None:
+        # Stages are views over the finished blocks (after TP, checkpointing, compile).
+        parts = make_stages(parts)
+    if par.zero >= 2:
+        roots = parts.stage_modules if parts is not None else [model]
+        apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=mem.offload == "cpu")
     # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
     model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)
-    if zero >= 2:
-        return model, model
+    if parts is not None:
+        share_buffers(parts)
+    if par.zero >= 2:
+        return ParallelModel(module=model, model=model, pipeline=parts)
+    if parts is not None or par.tp > 1:
+        # DDP can wrap neither a pipeline stage (many micro-batch backwards per step
+        # through one module) nor DTensor parameters; gradients are averaged after the
+        # backward instead, in one flat all-reduce.
+        group = mesh.group("dp") if mesh.size("dp") > 1 else None
+        return ParallelModel(module=model, model=model, pipeline=parts, manual_grad_group=group)
     # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
-    return apply_ddp(model, mesh, device), model
+    return ParallelModel(module=apply_ddp(model, mesh, device), model=model)
 
 
 def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:

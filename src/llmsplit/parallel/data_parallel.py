@@ -46,9 +46,12 @@ def _no_buffer_sync() -> dict:
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, zero: int, precision: str, cpu_offload: bool) -> nn.Module:
+def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, precision: str,
+               cpu_offload: bool) -> nn.Module:
     """Shard `model` (still on the meta device) in place; weights are materialised later,
-    already sharded, so no rank ever holds the whole model."""
+    already sharded, so no rank ever holds the whole model. `roots` are the modules that
+    are called: the model itself, or each pipeline stage (whose embedding, norm and head
+    become that stage's root group)."""
     assert zero in (2, 3), zero
     dp_mesh = mesh.mesh["dp_replicate", "dp_shard"] if mesh.dims.dp_replicate > 1 else mesh.mesh["dp_shard"]
     kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision)}
@@ -60,7 +63,8 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero: int, precision: str, cpu_offl
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root holds the embedding, final norm and output layer; FSDP never frees the
     # root's parameters after forward (they are needed first in backward).
-    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    for root in roots:
+        fully_shard(root, reshard_after_forward=reshard, **kwargs)
     return model
 
 
@@ -99,6 +103,28 @@ def no_grad_sync(model: nn.Module):
             yield
         finally:
             model.set_requires_gradient_sync(True)
-    else:
+    elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
+    else:  # gradients are averaged by `allreduce_gradients` after the whole step
+        yield
+
+
+def allreduce_gradients(params, group) -> None:
+    """Average gradients over the data-parallel group after the step's backward passes,
+    where DDP cannot be used (see apply.py): one flat all-reduce per dtype, the same
+    bytes as DDP's buckets without the overlap with backward."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for g, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+            g.copy_(synced)

@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from ..config import pipeline_stages_per_rank
 from ..models.llama import LlamaConfig, Transformer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -35,11 +36,7 @@ SINGLE_STAGE = ("gpipe", "1f1b")
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    if schedule in V_SCHEDULES:
-        return 2
-    if schedule in SINGLE_STAGE:
-        return 1
-    return virtual_stages
+    return pipeline_stages_per_rank(schedule, virtual_stages)
 
 
 def stage_ids_of_rank(schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -98,6 +95,7 @@ class PipelineParts:
     stage_modules: list[nn.Module]   # one per local stage, sharing rank_model's modules
     stage_ids: list[int]
     n_stages: int
+    stage_layers: list[list[int]]    # the layer indices of each local stage
 
     @property
     def has_first_stage(self) -> bool:
@@ -109,7 +107,8 @@ class PipelineParts:
 
 
 def split_model(model: Transformer, schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> PipelineParts:
-    """Cut `model` (on meta) down to the layers of this pipeline rank."""
+    """Cut `model` (on meta) down to the layers of this pipeline rank. The stage views are
+    made later by `make_stages`, once the blocks are final (TP, checkpointing, compile)."""
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
     layers_of_stage = split_layers(model.cfg, n_stages)
     stage_ids = stage_ids_of_rank(schedule, pp_rank, pp, virtual_stages)
@@ -121,8 +120,13 @@ def split_model(model: Transformer, schedule: str, pp_rank: int, pp: int, virtua
     if n_stages - 1 not in stage_ids:
         model.norm = None
         model.output = None
-    stages = [_stage_view(model, layers_of_stage[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
-    return PipelineParts(model, stages, stage_ids, n_stages)
+    return PipelineParts(model, [], stage_ids, n_stages, [layers_of_stage[s] for s in stage_ids])
+
+
+def make_stages(parts: PipelineParts) -> PipelineParts:
+    views = [_stage_view(parts.rank_model, layers, first=s == 0, last=s == parts.n_stages - 1)
+             for s, layers in zip(parts.stage_ids, parts.stage_layers)]
+    return PipelineParts(parts.rank_model, views, parts.stage_ids, parts.n_stages, parts.stage_layers)
 
 
 def _stage_view(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:

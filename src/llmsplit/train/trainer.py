@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..config import Config, config_from_toml, model_config, to_toml
 from ..data.corpus import load_tokens
@@ -29,7 +30,8 @@ from ..data.loader import BatchSampler
 from ..io.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, checkpoint_dir, list_checkpoints, resolve_checkpoint
 from ..io.tokenizer import load_tokenizer
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
-from ..parallel.data_parallel import autocast_dtype, no_grad_sync
+from ..parallel.data_parallel import allreduce_gradients, autocast_dtype, no_grad_sync
+from ..parallel.pipeline import bubble_fraction, build_schedule
 from ..parallel.mesh import Mesh, ParallelDims
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import peak_memory_bytes, reset_peak_memory, state_bytes
@@ -105,7 +107,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
     dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
 
-    model, plain = build_parallel_model(model_cfg, cfg, mesh, device)
+    pm = build_parallel_model(model_cfg, cfg, mesh, device)
+    model, plain = pm.module, pm.model
     optimizer = build_optimizer(plain, cfg, mesh)
     sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
                            cfg.train.global_batch, cfg.train.seed)
@@ -114,7 +117,7 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     start_step = 0
     resume_from = _resume_source(resume, run_dir, ck_dir)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer)
+        state = load_checkpoint(resume_from, plain, optimizer)
         start_step = state["step"]
         if rank0:
             print(f"resumed from {resume_from} at step {start_step}", file=sys.stderr, flush=True)
@@ -125,10 +128,13 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     per_rank = t.global_batch // dp_size
     n_micro = per_rank // t.micro_batch
     tokens_per_step = t.global_batch * cfg.data.seq_len
+    denominator = per_rank * cfg.data.seq_len  # tokens of this data-parallel rank's batch
     amp_dtype = autocast_dtype(cfg.parallel.zero, t.precision)
     # With FSDP the gradients are DTensor shards; DTensor max-reduces the scaler's
     # found-inf flag over the shards, so every rank skips an overflowing step together.
     scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
+    sharded_loss = cfg.parallel.tp > 1  # logits stay split over the vocabulary
+    pipe = _Pipeline(pm, cfg, device, mesh, denominator, scaler) if pm.pipeline is not None else None
     progress = Progress(t.steps, start_step) if rank0 else None
     metrics_file = open(run_dir / METRICS_FILE, "a") if rank0 else None
     history, held = [], None
@@ -142,26 +148,27 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sampler.rank_batch(step - 1, dp_rank, dp_size).to(device)
-        loss_sum = torch.zeros((), device=device)
-        for i in range(n_micro):
-            mb = batch[i * t.micro_batch:(i + 1) * t.micro_batch]
-            inputs, targets = mb[:, :-1], mb[:, 1:]
-            # Gradients are averaged across ranks only on the last micro-batch.
-            sync = no_grad_sync(model) if i < n_micro - 1 else nullcontext()
-            amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
-            with sync:
-                with amp:
-                    logits = model(inputs)
-                # fp32 loss over the vocabulary whatever the compute dtype.
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                       reduction="sum") / (per_rank * cfg.data.seq_len)
-                (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += loss.detach()
+        if pipe is not None:
+            loss_sum = pipe.step(batch, amp_dtype)
+        else:
+            loss_sum = torch.zeros((), device=device)
+            for i in range(n_micro):
+                mb = batch[i * t.micro_batch:(i + 1) * t.micro_batch]
+                inputs, targets = mb[:, :-1], mb[:, 1:]
+                # Gradients are averaged across ranks only on the last micro-batch.
+                sync = no_grad_sync(model) if i < n_micro - 1 else nullcontext()
+                amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+                with sync, _loss_context(sharded_loss):
+                    with amp:
+                        logits = model(inputs)
+                    loss = token_loss(logits, targets, denominator)
+                    (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += _plain(loss.detach())
+        if pm.manual_grad_group is not None:
+            allreduce_gradients(plain.parameters(), pm.manual_grad_group)
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # sharded gradients give a DTensor norm
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_gradients(plain.parameters(), t.grad_clip, mesh.group("pp") if pipe else None)
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -171,6 +178,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
             held = state_bytes(plain, optimizer)  # while gradients still exist
         optimizer.zero_grad(set_to_none=True)
 
+        if pipe is not None:  # only the last stage saw the loss
+            dist.all_reduce(loss_sum, group=mesh.group("pp"))
         dist.all_reduce(loss_sum, group=mesh.group("dp"))
         loss_value = loss_sum.item() / dp_size
         step_time = time.perf_counter() - t0
@@ -187,14 +196,16 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         if rank0:
             progress.update(record)
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
-            save_checkpoint(ck_dir, step, model, optimizer, _train_state(step, cfg, sampler), cfg.checkpoint.keep)
+            save_checkpoint(ck_dir, step, plain, optimizer, _train_state(step, cfg, sampler), cfg.checkpoint.keep)
 
     if start_step < t.steps:
-        save_checkpoint(ck_dir, t.steps, model, optimizer, _train_state(t.steps, cfg, sampler), cfg.checkpoint.keep)
+        save_checkpoint(ck_dir, t.steps, plain, optimizer, _train_state(t.steps, cfg, sampler), cfg.checkpoint.keep)
     if held is None:
         held = state_bytes(plain, optimizer)
     close_optimizer(optimizer)
     per_rank_info = {"rank": rank, "peak_mem_bytes": peak_memory_bytes(device), **held}
+    if pipe is not None:
+        per_rank_info["pipeline_busy_fraction"] = pipe.busy_fraction()
     gathered = [None] * world
     dist.all_gather_object(gathered, per_rank_info)
     if not rank0:
@@ -202,6 +213,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     progress.close()
     metrics_file.close()
     summary = _summary(cfg, world, model_cfg, history, gathered, run_dir)
+    if pipe is not None:
+        summary["pipeline"] = pipe.report(gathered)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     print_summary(summary, run_dir, first_loss)
     return summary
@@ -275,3 +288,106 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
     if parts[2:] == ["kill"]:
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"fault injected by LLMSPLIT_FAULT={spec}")
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: int) -> torch.Tensor:
+    """Cross-entropy summed over the tokens, divided by the tokens of the rank's whole
+    batch: micro-batch gradients then add up to the batch mean, and the data-parallel
+    average of those is the global mean. fp32 over the vocabulary whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / denominator
+
+
+def _loss_context(sharded: bool):
+    # With tensor parallel the logits are split over the vocabulary; loss_parallel computes
+    # the cross-entropy on the shards (forward and backward must both run inside it).
+    return loss_parallel() if sharded else nullcontext()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_gradients(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip by the global gradient norm. Under pipeline parallel each rank holds only its
+    stages' gradients, so the squared norms are summed over the pipeline group first."""
+    params = [p for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    total = _plain(total)
+    if pp_group is not None:
+        total = total.pow(2)
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+class _Pipeline:
+    """One optimizer step of a pipeline schedule over this rank's batch, with the time
+    each local stage is busy (forward and backward compute) recorded for the bubble."""
+
+    def __init__(self, pm, cfg: Config, device: torch.device, mesh: Mesh, denominator: int, scaler):
+        par, t = cfg.parallel, cfg.train
+        self.parts = pm.pipeline
+        self.model = pm.model
+        self.cfg = cfg
+        self.device = device
+        self.scaler = scaler
+        self.sharded_loss = par.tp > 1
+        self.n_micro = par.pp_microbatches or t.global_batch // (mesh.size("dp") * t.micro_batch)
+        scale = scaler.scale if scaler else (lambda x: x)
+        loss_fn = lambda out, target: scale(token_loss(out, target, denominator))  # noqa: E731
+        self.schedule = build_schedule(self.parts, par.pp_schedule, self.n_micro, loss_fn, device, mesh.group("pp"))
+        self.busy = 0.0
+        self.total = 0.0
+        self.steps = 0
+        for stage in _schedule_stages(self.schedule):
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._step_busy += time.perf_counter() - t0
+        return wrapper
+
+    def step(self, batch: torch.Tensor, amp_dtype) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if self.parts.has_last_stage else {}
+        args = (inputs,) if self.parts.has_first_stage else ()
+        amp = torch.autocast(self.device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+        self._step_busy = 0.0
+        t0 = time.perf_counter()
+        with _loss_context(self.sharded_loss), amp:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        elapsed = time.perf_counter() - t0
+        self.steps += 1
+        if self.steps > 1:  # the first step pays for shape inference and warm-up
+            self.busy += self._step_busy
+            self.total += elapsed
+        loss_sum = torch.zeros((), device=self.device)
+        for loss in losses:
+            loss_sum += _plain(loss.detach())
+        if self.scaler is not None:
+            loss_sum /= self.scaler.get_scale()
+        return loss_sum
+
+    def busy_fraction(self) -> float | None:
+        return self.busy / self.total if self.total > 0 else None
+
+    def report(self, per_rank: list[dict]) -> dict:
+        par = self.cfg.parallel
+        busy = [r["pipeline_busy_fraction"] for r in per_rank if r.get("pipeline_busy_fraction") is not None]
+        return {"schedule": par.pp_schedule, "stages": self.parts.n_stages, "microbatches": self.n_micro,
+                "theoretical_bubble": bubble_fraction(par.pp_schedule, par.pp, self.n_micro, par.pp_virtual_stages),
+                "measured_bubble": 1.0 - sum(busy) / len(busy) if busy else None,
+                "busy_fraction_per_rank": busy}
+
+
+def _schedule_stages(schedule) -> list:
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])

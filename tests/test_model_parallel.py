@@ -1,0 +1,83 @@
+"""Tensor and pipeline parallel, alone and combined with data parallel, through the CLI
+on real gloo groups: every layout logs the single-process loss at every step."""
+
+import json
+
+import pytest
+
+from helpers import assert_close_losses, losses, run_cli, train
+
+pytestmark = pytest.mark.slow
+
+# Four layers so that two pipeline ranks can hold two stages each.
+MP = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+      "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4", "train.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("mpref") / "run"
+    train(run, *MP, "train.micro_batch=8", nproc=1)
+    return losses(run)
+
+
+LAYOUTS = [
+    (2, ["parallel.tp=2"]),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev"]),
+    (4, ["parallel.tp=2"]),                                   # dp 2 × tp 2 (DDP)
+    (4, ["parallel.tp=2", "parallel.zero=3"]),                # FSDP × TP
+    (4, ["parallel.pp=2", "parallel.tp=2"]),                  # PP × TP
+    (4, ["parallel.pp=2", "parallel.zero=3"]),                # PP × FSDP
+    (4, ["parallel.pp=2", "parallel.zero=1"]),                # PP × ZeRO-1
+]
+
+
+@pytest.mark.parametrize("nproc, sets", LAYOUTS, ids=[f"{n}-" + ",".join(s.split(".")[1] for s in sets)
+                                                     for n, sets in LAYOUTS])
+def test_layout_logs_the_single_process_loss(reference, tmp_path, nproc, sets):
+    train(tmp_path / "run", *MP, *sets, nproc=nproc)
+    assert_close_losses(losses(tmp_path / "run"), reference)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    layout = summary["layout"]
+    for s in sets:
+        key, value = s.split("=")
+        if key.split(".")[1] in layout:
+            assert str(layout[key.split(".")[1]]) == value
+
+
+def test_tensor_parallel_halves_the_weights_each_rank_holds(tmp_path):
+    train(tmp_path / "run", *MP, "parallel.tp=2", nproc=2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    full = 4 * summary["params"]
+    for r in summary["per_rank"]:
+        # Everything but the norms is split: a little over half the fp32 weights per rank.
+        assert 0.5 * full <= r["param_bytes"] <= 0.52 * full, (r, full)
+
+
+def test_pipeline_reports_its_bubble(tmp_path):
+    train(tmp_path / "run", *MP, "parallel.pp=2", nproc=2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    bubble = summary["pipeline"]
+    assert bubble["schedule"] == "1f1b" and bubble["microbatches"] == 4
+    assert bubble["theoretical_bubble"] == pytest.approx(1 / 5)
+    assert 0.0 <= bubble["measured_bubble"] < 1.0
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"], "model.n_heads=3 is not divisible by parallel.tp=2"),
+    (["parallel.pp=2", "model.n_layers=1"], "model.n_layers=1 is fewer than"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3"], "model.n_layers=4 is fewer than"),
+    (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1"),
+    (["parallel.tp=2", "model.vocab_size=301"], "model.vocab_size=301 is not divisible by parallel.tp=2"),
+])
+def test_layouts_that_do_not_divide_are_refused_before_workers_start(tmp_path, sets, fragment):
+    proc = run_cli("train", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                   *[a for s in (*MP, *sets) for a in ("--set", s)], check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
