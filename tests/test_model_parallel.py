@@ -34,6 +34,8 @@ LAYOUTS = [
     (4, ["parallel.pp=2", "parallel.tp=2"]),                  # PP × TP
     (4, ["parallel.pp=2", "parallel.zero=3"]),                # PP × FSDP
     (4, ["parallel.pp=2", "parallel.zero=1"]),                # PP × ZeRO-1
+    (4, ["parallel.pp=4", "parallel.pp_schedule=1f1b"]),      # one layer per stage
+    (4, ["parallel.pp=2", "parallel.tp=2", "memory.activation_checkpoint=full"]),
 ]
 
 
@@ -48,6 +50,22 @@ def test_layout_logs_the_single_process_loss(reference, tmp_path, nproc, sets):
         key, value = s.split("=")
         if key.split(".")[1] in layout:
             assert str(layout[key.split(".")[1]]) == value
+
+
+def test_tp4_with_as_many_kv_heads(tmp_path):
+    sets = [x for x in MP if not x.startswith("model.n_kv_heads")] + ["model.n_kv_heads=4"]
+    train(tmp_path / "ref", *sets, "train.micro_batch=8", nproc=1)
+    train(tmp_path / "run", *sets, "parallel.tp=4", nproc=4)
+    assert_close_losses(losses(tmp_path / "run"), losses(tmp_path / "ref"))
+
+
+def test_pipeline_ranks_hold_only_their_stages(tmp_path):
+    train(tmp_path / "run", *MP, "parallel.pp=2", nproc=2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    full = 4 * summary["params"]
+    first, last = summary["per_rank"]
+    assert first["param_bytes"] + last["param_bytes"] == full  # every weight on exactly one rank
+    assert 0.35 * full < first["param_bytes"] < 0.65 * full
 
 
 def test_tensor_parallel_halves_the_weights_each_rank_holds(tmp_path):
@@ -69,7 +87,11 @@ def test_pipeline_reports_its_bubble(tmp_path):
 
 
 @pytest.mark.parametrize("sets, fragment", [
-    (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"], "model.n_heads=3 is not divisible by parallel.tp=2"),
+    (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"],
+     "model.n_heads=3 is not divisible by parallel.tp=2; use parallel.tp in 1, 3"),
+    (["parallel.tp=2", "model.n_kv_heads=1"], "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
+    (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual_stages=2"], "needs parallel.pp_schedule"),
+    (["parallel.pp=2", "parallel.pp_schedule=chimera"], "parallel.pp_schedule='chimera' is not one of"),
     (["parallel.pp=2", "model.n_layers=1"], "model.n_layers=1 is fewer than"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3"], "model.n_layers=4 is fewer than"),
     (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1"),

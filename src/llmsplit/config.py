@@ -8,6 +8,7 @@ and what is allowed; the command line turns it into exit status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -285,7 +286,8 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             raise ConfigError(f"{key}={_get(cfg, key)!r}: {why}")
     if model_cfg is not None:
         if model_cfg.n_heads % par.tp:
-            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp={par.tp}")
+            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp={par.tp}; use "
+                              f"parallel.tp in {_divisors(model_cfg.n_heads)}")
         if model_cfg.dim % model_cfg.n_heads:
             raise ConfigError(f"model.dim={model_cfg.dim} is not divisible by model.n_heads={model_cfg.n_heads}")
         if model_cfg.n_heads % model_cfg.n_kv_heads:
@@ -302,9 +304,10 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             raise ConfigError("model.tie_embeddings=true shares the embedding with the output head, which pipeline "
                               "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
         for key in ("n_kv_heads", "ffn_dim"):
-            if getattr(model_cfg, key) % par.tp:
-                raise ConfigError(f"model.{key}={getattr(model_cfg, key)} is not divisible by parallel.tp={par.tp}; "
-                                  f"choose a tensor-parallel degree that divides it")
+            value = getattr(model_cfg, key)
+            if value % par.tp:
+                raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={par.tp}; use parallel.tp in "
+                                  f"{_divisors(math.gcd(value, model_cfg.n_heads))}")
         if model_cfg.vocab_size % par.tp:
             padded = -(-model_cfg.vocab_size // par.tp) * par.tp
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is not divisible by parallel.tp={par.tp}; "
@@ -316,6 +319,10 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                               f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
     del ck
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:
