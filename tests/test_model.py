@@ -98,16 +98,25 @@ def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
 
 
 def test_kv_cache_decoding_matches_full_forward():
-    from llmsplit.infer.generate import KVCache
+    from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
 
     m = build().eval()
     x = torch.randint(0, 100, (1, 14))
+    pool = BlockPool(num_blocks=4, block_size=4)
+    cache = PagedKVCache(4, 4, CFG.n_kv_heads, CFG.head_dim, {i: torch.device("cpu") for i in range(CFG.n_layers)},
+                         torch.float32)
+
+    def run(lo, hi):
+        pool.append(0, hi - lo)
+        step = pool.step([0], hi - lo)
+        cache.set_step(step)
+        return m(x[:, lo:hi], kv_cache=cache, start_pos=step.start)
+
     with torch.no_grad():
         full = m(x)
-        cache = KVCache(CFG, 1, 14, "cpu", torch.float32)
-        pre = m(x[:, :8], kv_cache=cache, start_pos=0)
-        chunk = m(x[:, 8:11], kv_cache=cache, start_pos=8)  # a multi-token chunk after the cache
-        steps = [m(x[:, i:i + 1], kv_cache=cache, start_pos=i) for i in range(11, 14)]
+        pre = run(0, 8)
+        chunk = run(8, 11)  # a multi-token chunk after the cache
+        steps = [run(i, i + 1) for i in range(11, 14)]
     torch.testing.assert_close(pre, full[:, :8], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunk, full[:, 8:11], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 11:], atol=1e-5, rtol=1e-5)

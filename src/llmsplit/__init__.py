@@ -3,22 +3,19 @@
 __version__ = "0.1.0"
 
 
-def load(path, device_map=None, max_memory=None, offload_dir=None, dtype=None):
-    """Load a trained model (a run folder or one of its checkpoints) for generation.
+def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, **options):
+    """Load a model for generation: a training run folder or checkpoint, a Hugging Face
+    Llama-family folder, or a GGUF file, placed over the devices within the budgets.
 
-    This release loads onto one device; `device_map`, `max_memory` and `offload_dir`
-    are accepted for the split-inference engine that follows and must be left unset.
+    device_map: "auto" | "balanced" | "sequential" | a device ("cpu", "cuda:1") | {module: device}.
+    max_memory: {"cuda:0": "20GiB", "cpu": "64GiB"} or "cuda:0=20GiB,cpu=64GiB"; what does
+    not fit goes to `offload_dir` on disk. options: tp, pp (worker processes), max_batch,
+    max_context, block_size (KV cache). Returns an object with generate, logits, tokenizer,
+    device_map; `close()` stops its workers.
     """
-    from .infer.generate import load_run
+    from .infer.api import load as _load
 
-    if max_memory or offload_dir or device_map not in (None, "auto", "cpu", "cuda", "cuda:0"):
-        raise NotImplementedError("splitting a model across devices is not available in this release; "
-                                  "call llmsplit.load(path) or llmsplit.load(path, device_map='cpu')")
-    device = None if device_map in (None, "auto") else device_map
-    m = load_run(path, device=device)
-    if dtype is not None:
-        m.model.to(dtype)
-    return m
+    return _load(path, device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, dtype=dtype, **options)
 
 
 # The subpackage is imported first so that the name `llmsplit.plan` ends up bound to the

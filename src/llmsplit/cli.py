@@ -56,20 +56,31 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--auto", action="store_true", help="let the planner choose the layout")
     t.set_defaults(func=cmd_train)
 
-    g = sub.add_parser("generate", help="generate text with a trained model",
-                       description="Print the continuation of PROMPT (the prompt is not repeated).", epilog=EPILOG)
-    g.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT", help="a run folder or one of its checkpoints")
+    g = sub.add_parser("generate", help="load a model split across devices and generate text",
+                       description="Print the continuation of PROMPT (the prompt is not repeated). Environment: "
+                                   "LLMSPLIT_GPU_COUNT and LLMSPLIT_GPU_MEMORY_LIMIT (bytes or e.g. 20GiB per GPU) "
+                                   "limit the GPUs used.", epilog=EPILOG)
+    g.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
+                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
     g.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
     g.add_argument("--top-k", type=int, metavar="K")
     g.add_argument("--top-p", type=float, metavar="P")
     g.add_argument("--seed", type=int, metavar="S")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--device-map", default="auto", metavar="auto|cpu|DEVICE")
-    g.add_argument("--show-device-map", action="store_true", help="print where each module lives (stderr)")
-    for flag in ("--max-memory", "--offload-dir", "--tp", "--pp"):
-        g.add_argument(flag, help="not available in this release")
+    g.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
+                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
+    g.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
+    g.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
+    g.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
+    g.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
+    g.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
+                   "the model's, at most 4096)")
+    g.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
     g.set_defaults(func=cmd_generate)
 
     pr = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
@@ -79,6 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, metavar="FILE", help="token file to write")
     pr.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
     pr.set_defaults(func=cmd_prepare)
+
+    ex = sub.add_parser("export", help="convert a training checkpoint to a Hugging Face safetensors folder",
+                        description="Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads: "
+                                    "config.json, safetensors (sharded above --max-shard-size), tokenizer files.",
+                        epilog=EPILOG)
+    ex.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CHECKPOINT",
+                    help="a run folder (its newest checkpoint) or one checkpoint folder")
+    ex.add_argument("--to", required=True, choices=("hf",), help="output format (hf: Hugging Face)")
+    ex.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
+    ex.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors file (default 5GiB)")
+    ex.set_defaults(func=cmd_export)
 
     d = sub.add_parser("doctor", help="check torch, devices, backends, launcher variables and network",
                        description="One line per check: OK, WARN or FAIL, each with the fix. Exit 1 if any FAIL.",
@@ -182,38 +204,30 @@ def cmd_train(args) -> int:
 # ---------------------------------------------------------------- generate
 
 def cmd_generate(args) -> int:
-    from .infer.generate import load_run
+    import llmsplit
 
-    for flag in ("max_memory", "offload_dir", "tp", "pp"):
-        if getattr(args, flag) is not None:
-            raise ConfigError(f"--{flag.replace('_', '-')} is not available in this release; "
-                              f"generate runs on one device (--device-map cpu or cuda:0)")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or more")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p {args.top_p} must be in (0, 1]")
-    if args.top_k is not None and args.top_k < 1:
-        raise ConfigError(f"--top-k {args.top_k} must be at least 1")
-    if args.device_map not in ("auto", "cpu") and not args.device_map.startswith("cuda"):
-        raise ConfigError(f"--device-map {args.device_map!r} is not one of: auto, cpu, cuda:N")
-    if not Path(args.model).exists():
-        raise ConfigError(f"--model {args.model!r} does not exist; pass a run folder written by `llmsplit train`")
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    m = load_run(args.model, device=None if args.device_map == "auto" else args.device_map)
-    if args.show_device_map:
-        for name, dev in m.device_map.items():
-            print(f"{name or '(whole model)'}: {dev}", file=sys.stderr)
+    if not prompt:
+        raise ConfigError("the prompt is empty; pass PROMPT words or text on standard input")
+    m = llmsplit.load(args.model, device_map=args.device_map, max_memory=args.max_memory,
+                      offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=1,
+                      max_context=args.max_context)
+    try:
+        if args.show_device_map:
+            print(m.placement.describe() if m.placement else
+                  "device map:\n" + "\n".join(f"  {u}: {d}" for u, d in m.device_map.items()), file=sys.stderr)
 
-    def emit(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        def emit(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
-    text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, on_text=emit if args.stream else None)
+        text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos, on_text=emit if args.stream else None)
+    finally:
+        m.close()
     if not args.stream:
         sys.stdout.write(text)
     sys.stdout.write("\n")
@@ -272,3 +286,24 @@ def cmd_plot(args) -> int:
     for path in plot_run(args.run_dir, args.out):
         print(path)
     return 0
+
+
+# ---------------------------------------------------------------- export
+
+def cmd_export(args) -> int:
+    from .io.hf_export import export_hf
+
+    info = export_hf(args.checkpoint, args.out, max_shard_bytes=_parse_size(args.max_shard_size, "--max-shard-size"))
+    print(f"wrote {info['out']}: {info['tensors']} tensors in {info['files']} safetensors file(s), "
+          f"{info['params'] / 1e6:.2f}M parameters")
+    return 0
+
+
+def _parse_size(text: str, flag: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in units:
+        raise ConfigError(f"{flag} {text!r} is not a size; write e.g. 500MB or 5GiB")
+    return int(float(m.group(1)) * units[m.group(2).upper()])

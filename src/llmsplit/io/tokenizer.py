@@ -30,11 +30,23 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizer.json` file (as Hugging Face `transformers` writes it)."""
 
+    add_bos = False  # GGUF files say whether the model expects a leading BOS; tokenizer.json does not
+
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
-        self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        self._setup(Tokenizer.from_file(str(path)), str(path))
+
+    @classmethod
+    def from_tokenizer(cls, tok, name: str) -> "HFTokenizer":
+        """Wrap a `tokenizers.Tokenizer` built in memory (e.g. from GGUF metadata)."""
+        self = cls.__new__(cls)
+        self._setup(tok, name)
+        return self
+
+    def _setup(self, tok, name: str) -> None:
+        self.name = name
+        self._tok = tok
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._first_id(_EOS_NAMES)
         self.bos_id = self._first_id(_BOS_NAMES)
@@ -47,7 +59,8 @@ class HFTokenizer:
         return None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

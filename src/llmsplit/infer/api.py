@@ -1,0 +1,129 @@
+"""`llmsplit.load`: open any supported model, place it, and return the object users call.
+
+Placement (one process) or the split over workers (--tp/--pp) is decided here, once; the
+engine then drives whichever runner results.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..config import ConfigError
+from ..io.weights import open_weights
+from .distributed import SplitRunner, check_split, split_spec
+from .engine import Engine, SamplingParams
+from .placement import MODES, Placement, Sizes, detect_budgets, place
+from .runner import PieceSpec, Runner
+
+
+class LoadedModel:
+    """What `llmsplit.load` returns: `generate`, `logits`, `tokenizer`, `device_map`."""
+
+    def __init__(self, engine: Engine, runner, placement: Placement | None, device_map: dict[str, str], config):
+        self.engine = engine
+        self.runner = runner
+        self.placement = placement
+        self.device_map = device_map
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self._finalizer = weakref.finalize(self, runner.close)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence forward, no cache: [b, s] -> [b, s, vocab] (float32, on the CPU)."""
+        return self.runner.forward(torch.as_tensor(input_ids), None, last_only=False).float().cpu()
+
+    def generate(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop=None, ignore_eos: bool = False,
+                 on_text=None):
+        """Continue `prompt` (text, token ids, or a LongTensor [1, s]); a list of strings or a
+        LongTensor [b, s] is a batch generated together and gives a list of strings.
+        `on_text(piece)` (or `on_text(index, piece)` for a batch) receives text as it comes."""
+        batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str) or (
+            isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] > 1)
+        prompts = list(prompt) if batch else [prompt]
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed,
+                                [stop] if isinstance(stop, str) else list(stop or []), ignore_eos)
+        params.check()
+        seqs = [self.engine.new_sequence(self._ids(p), params) for p in prompts]
+        callback = on_text if batch or on_text is None else (lambda _i, piece: on_text(piece))
+        self.engine.generate(seqs, callback)
+        texts = [s.text for s in seqs]
+        return texts if batch else texts[0]
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).tolist()
+        return [int(t) for t in prompt]
+
+    def close(self) -> None:
+        """Stop the worker processes (tp/pp) and the prefetch thread; also done at exit."""
+        self._finalizer()
+
+
+def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
+         max_batch: int = 4, max_context: int | None = None, block_size: int = 16) -> LoadedModel:
+    source = open_weights(path, what="model path")
+    cfg = source.config
+    max_context = min(max_context or 4096, cfg.max_seq_len)
+    if max_batch < 1 or max_context < 2 or block_size < 1:
+        raise ConfigError(f"max_batch {max_batch}, max_context {max_context} and block_size {block_size} "
+                          f"must be positive (max_context at least 2)")
+    gpus = torch.cuda.is_available()
+    dtype = _dtype(dtype, source.dtype if gpus else torch.float32)
+    sizes = Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize, kv_dtype_bytes=dtype.itemsize)
+    # The pool holds max_batch full contexts, which is what placement budgeted for.
+    num_blocks = max_batch * -(-max_context // block_size)
+    if tp > 1 or pp > 1:
+        check_split(cfg, tp, pp)
+        if max_memory or offload_dir or device_map not in (None, "auto"):
+            raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
+                              "--max-memory and --offload-dir")
+        runner = SplitRunner(split_spec(path, tp, pp, dtype, num_blocks, block_size, max_context))
+        dmap = _split_map(cfg, tp, pp)
+        placement = None
+    else:
+        budgets = detect_budgets(max_memory, offload_dir)
+        mode = device_map if isinstance(device_map, dict) else (device_map or "auto")
+        if isinstance(mode, str) and mode not in MODES:
+            mode = {"": mode}
+        placement = place(cfg, budgets, mode, sizes)
+        if "disk" in placement.device_map.values() and offload_dir is None:
+            raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
+        runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
+                                          offload_dir=offload_dir))
+        dmap = dict(placement.device_map)
+    eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
+    engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context)
+    return LoadedModel(engine, runner, placement, dmap, cfg)
+
+
+def _split_map(cfg, tp: int, pp: int) -> dict[str, str]:
+    from .distributed import _device, stage_layers
+
+    dmap = {}
+    for stage in range(pp):
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        where = ", ".join(f"{_device(r, tp * pp)} (rank {r})" for r in ranks)
+        units = ((["tok_embeddings"] if stage == 0 else []) + [f"layers.{i}" for i in stage_layers(cfg.n_layers, pp, stage)]
+                 + (["norm", "output"] if stage == pp - 1 else []))
+        dmap.update({u: where for u in units})
+    return dmap
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _dtype(dtype, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,174 @@
+"""Generation: prefill and decode steps over a paged KV cache, several sequences at once.
+
+The engine runs in the driving process (rank 0 when the model is split over workers). It
+keeps the block pool, admits waiting sequences while their worst case (prompt + max new
+tokens) fits in the free blocks, prefills each admitted prompt on its own (no padding),
+then decodes every running sequence together, one token per step, until each stops on EOS,
+a stop string or its token limit. The runner it drives hides where the model lives
+(one process with offload, or tensor/pipeline-parallel workers).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ConfigError
+from .kv_cache import BlockPool
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens {self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature {self.temperature} must be 0 (greedy) or more")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p {self.top_p} must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k {self.top_k} must be at least 1")
+
+
+@dataclass
+class Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # decoded so far, cut at a stop string when one appears
+    emitted: int = 0  # characters already streamed
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """One token id from a [vocab] row: greedy at temperature 0, else top-k / nucleus sampling."""
+    if p.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p is not None and p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, eos_ids: set[int], num_blocks: int, block_size: int,
+                 max_batch: int, max_context: int):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.pool = BlockPool(num_blocks, block_size)
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self._next_id = 0
+
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Run the prompt through the model once, filling its KV cache; logits [vocab] of the
+        next token."""
+        self.pool.append(seq.id, len(seq.prompt))
+        step = self.pool.step([seq.id], len(seq.prompt))
+        return self.runner.forward(torch.tensor([seq.prompt]), step, last_only=True)[0, -1].float()
+
+    def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's newest token; logits [b, vocab] of the following ones."""
+        for s in seqs:
+            self.pool.append(s.id, 1)
+        step = self.pool.step([s.id for s in seqs], 1)
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
+        return self.runner.forward(tokens, step, last_only=True)[:, -1].float()
+
+    def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        if not prompt:
+            raise ConfigError("the prompt is empty; pass some text or token ids")
+        if len(prompt) >= self.max_context:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens but the context holds {self.max_context}; "
+                              f"shorten it or load with a larger max_context")
+        gen = torch.Generator()
+        gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
+        self._next_id += 1
+        return Sequence(self._next_id, list(prompt), params, gen)
+
+    def generate(self, seqs: list[Sequence], on_text=None) -> list[Sequence]:
+        """Run every sequence to its end; `on_text(index, piece)` receives text as it is final."""
+        waiting, running, reserved = deque(enumerate(seqs)), [], {}
+        while waiting or running:
+            while waiting and len(running) < self.max_batch:
+                i, seq = waiting[0]
+                need = self.pool.blocks_for(self._budget(seq))
+                if need > self.pool.num_blocks:
+                    raise ConfigError(f"prompt + max_new_tokens = {self._budget(seq)} tokens exceed the KV cache "
+                                      f"({self.pool.num_blocks * self.pool.block_size} tokens)")
+                if need > self.pool.num_blocks - sum(reserved.values()):
+                    break  # wait until a running sequence returns its blocks
+                waiting.popleft()
+                reserved[seq.id] = need
+                self._advance(i, seq, self.prefill(seq), on_text)
+                if seq.finish_reason is None:
+                    running.append((i, seq))
+                else:
+                    self._finish(seq, reserved)
+            if running:
+                logits = self.decode_step([s for _, s in running])
+                for row, (i, seq) in enumerate(running):
+                    self._advance(i, seq, logits[row], on_text)
+                for i, seq in [r for r in running if r[1].finish_reason is not None]:
+                    self._finish(seq, reserved)
+                running = [r for r in running if r[1].finish_reason is None]
+        return seqs
+
+    def _budget(self, seq: Sequence) -> int:
+        return min(len(seq.prompt) + seq.params.max_new_tokens, self.max_context)
+
+    def _finish(self, seq: Sequence, reserved: dict) -> None:
+        self.pool.free(seq.id)
+        reserved.pop(seq.id)
+
+    def _advance(self, index: int, seq: Sequence, logits: torch.Tensor, on_text) -> None:
+        p = seq.params
+        nxt = sample(logits, p, seq.generator)
+        if nxt in self.eos_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        else:
+            seq.tokens.append(nxt)
+            seq.text = self.tokenizer.decode(seq.tokens)
+            hits = [seq.text.index(s) for s in p.stop if s in seq.text]
+            if hits:
+                seq.text, seq.finish_reason = seq.text[:min(hits)], "stop"
+            elif len(seq.tokens) >= p.max_new_tokens or seq.length >= self.max_context:
+                seq.finish_reason = "length"
+        if on_text is not None:
+            self._stream(index, seq, on_text)
+
+    @staticmethod
+    def _stream(index: int, seq: Sequence, on_text) -> None:
+        # Hold back what could still change: a partial UTF-8 character, or the start of a stop string.
+        end = len(seq.text)
+        if seq.finish_reason is None:
+            if seq.text.endswith("\ufffd"):
+                end = len(seq.text.rstrip("\ufffd"))
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            end = max(seq.emitted, end - hold)
+        if end > seq.emitted:
+            on_text(index, seq.text[seq.emitted:end])
+            seq.emitted = end

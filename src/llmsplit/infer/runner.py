@@ -1,0 +1,135 @@
+"""One process's piece of the model and its KV cache: the whole model placed over this
+machine's devices (with offload), a tensor-parallel shard, a pipeline stage, or both.
+
+The piece is the plain `Transformer` built on the meta device; only what this process
+needs is read from the weight source (tensor-parallel ranks read just their slices) and
+placed on its device. Tensor parallelism is applied the way gpt-fast does it, by slicing
+the weights and summing the partial outputs of the attention output and MLP down
+projections with an all-reduce: at inference there are no gradients, so DTensor's
+bookkeeping would only add per-op overhead to every decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.llama import Transformer, rope_tables
+from .kv_cache import PagedKVCache, Step
+from .offload import Offloader, _set
+from .placement import Placement
+
+# Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
+_COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.")
+_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+@dataclass
+class PieceSpec:
+    """Which part of the model this process holds and how to run it."""
+    placement: Placement  # units of this piece -> devices
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_context: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: object = None
+    offload_dir: str | None = None
+    layers: list[int] = field(default_factory=list)  # empty: all
+
+
+def tp_shard(name: str, rank: int, size: int):
+    if size == 1:
+        return None
+    if any(p in name for p in _COLWISE):
+        return (0, rank, size)
+    if name.endswith(_ROWWISE):
+        return (1, rank, size)
+    return None
+
+
+class Runner:
+    def __init__(self, source, spec: PieceSpec):
+        cfg = replace(source.config, max_seq_len=spec.max_context)
+        self.cfg, self.spec = cfg, spec
+        dmap = spec.placement.device_map
+        exec_device = torch.device(spec.placement.exec_device)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        owned = set(spec.layers or range(cfg.n_layers))
+        for i in range(cfg.n_layers):
+            if i not in owned:
+                del model.layers[str(i)]
+        for unit in ("tok_embeddings", "norm", "output"):
+            if unit not in dmap:
+                setattr(model, unit, None)
+        if model.output is not None and model.tok_embeddings is not None:
+            model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))  # untie; re-tied below
+        self.offloader = None
+        self.devices: dict[str, torch.device] = {}  # unit -> device it computes on
+        offloaded = {u for u, d in dmap.items() if d in ("cpu", "disk") and d != exec_device.type}
+        for unit, dev in dmap.items():
+            module = model.get_submodule(unit)
+            if (unit == "output" and cfg.tie_embeddings and dmap.get("tok_embeddings") == dev
+                    and not {"tok_embeddings", "output"} & offloaded):
+                model.output.weight = model.tok_embeddings.weight  # one copy for both ends
+                self.devices[unit] = torch.device(dev)
+                continue
+            tensors = {key: self._read(source, f"{unit}.{key}") for key, _ in module.named_parameters()}
+            if unit in offloaded:
+                if self.offloader is None:
+                    self.offloader = Offloader(exec_device, spec.offload_dir)
+                self.offloader.add(unit, module, tensors, dev)
+                self.devices[unit] = exec_device
+                continue
+            for key, t in tensors.items():
+                _set(module, key, t.to(dev))
+            self.devices[unit] = torch.device(dev)
+        first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
+        cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first)
+        model.rope_cos, model.rope_sin = cos, sin
+        self._move_at_device_changes(model)
+        if spec.tp_size > 1:
+            for i in owned:
+                layer = model.layers[str(i)]
+                for m in (layer.attention.wo, layer.feed_forward.w2):
+                    m.register_forward_hook(self._all_reduce)
+        self.model = model.eval()
+        self.input_device = first
+        self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
+                                  {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
+
+    def _read(self, source, name: str) -> torch.Tensor:
+        return source.read(name, tp_shard(name, self.spec.tp_rank, self.spec.tp_size)).to(self.spec.dtype)
+
+    def _all_reduce(self, module, args, out):
+        dist.all_reduce(out, group=self.spec.tp_group)
+
+    def _move_at_device_changes(self, model: Transformer) -> None:
+        """Hidden states follow the model across devices; a hook sits only where the device changes."""
+        order = [u for u in ("tok_embeddings", *[f"layers.{i}" for i in sorted(map(int, model.layers))], "norm",
+                             "output") if u in self.devices]
+        for prev, unit in zip(order, order[1:]):
+            if self.devices[unit] != self.devices[prev]:
+                dev = self.devices[unit]
+                model.get_submodule(unit).register_forward_pre_hook(
+                    lambda m, args, d=dev: (args[0].to(d), *args[1:]))
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, step: Step | None, last_only: bool) -> torch.Tensor:
+        """Tokens [b, s] (or hidden states [b, s, dim] for a later pipeline stage) through this
+        piece; with a step, through the KV cache as well."""
+        self.cache.set_step(step)
+        x = tokens.to(self.input_device)
+        if step is None:
+            return self.model(x, last_only=last_only)
+        start = step.start if isinstance(step.start, int) else step.start.to(self.input_device)
+        return self.model(x, kv_cache=self.cache, start_pos=start, last_only=last_only)
+
+    def close(self) -> None:
+        if self.offloader is not None:
+            self.offloader.close()

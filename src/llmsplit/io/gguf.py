@@ -1,0 +1,193 @@
+"""GGUF files in (as llama.cpp and Ollama run them), through the `gguf` package.
+
+The file is memory-mapped; each tensor is dequantized to float32 only when read, so a
+layer offloaded to disk or owned by another rank costs nothing here. llama.cpp stores
+q/k weights permuted for its interleaved rotary layout; they are permuted back to the
+Hugging Face "rotate half" layout our model uses. The tokenizer is rebuilt from the
+file's metadata with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError
+from ..models.llama import LlamaConfig
+
+ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs use the llama architecture
+# Quantization types dequantized through gguf.quants (plain floats, legacy and K-quants).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER = {
+    "attn_norm.weight": "attention_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight", "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias",
+    "attn_output.weight": "attention.wo.weight", "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight", "ffn_down.weight": "feed_forward.w2.weight",
+}
+_TOP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+        "output.weight": "output.weight"}
+
+
+def from_gguf_name(name: str) -> str | None:
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
+    return None
+
+
+def to_gguf_name(name: str) -> str:
+    for g, ours in _TOP.items():
+        if ours == name:
+            return g
+    _, i, rest = name.split(".", 2)
+    return f"blk.{i}." + next(g for g, ours in _LAYER.items() if ours == rest)
+
+
+def permute_for_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to q/k rows (tests use it to write GGUF files)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_from_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFWeights:
+    """A GGUF file read tensor by tensor under our names, dequantized to float32."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise ConfigError("reading GGUF files needs the gguf package: pip install 'llmsplit[gguf]'") from None
+        self.path = Path(path)
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError/struct errors for damaged files
+            raise ConfigError(f"{str(self.path)!r} is not a readable GGUF file ({str(e)[:100]})") from None
+        self._meta = {k: f for k, f in self._reader.fields.items()}
+        arch = self._value("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{str(self.path)!r}: GGUF architecture {arch!r} is not supported; llmsplit reads "
+                              f"{', '.join(ARCHITECTURES)}")
+        self._tensors = {}
+        for t in self._reader.tensors:
+            ours = from_gguf_name(t.name)
+            if ours is None:
+                continue
+            if t.tensor_type.name not in SUPPORTED_TYPES:
+                raise ConfigError(f"{str(self.path)!r}: tensor {t.name} uses the quantization type "
+                                  f"{t.tensor_type.name}, which llmsplit does not read; supported: "
+                                  f"{', '.join(SUPPORTED_TYPES)}")
+            self._tensors[ours] = t
+        self.config = self._config(arch)
+        self.dtype = torch.float32  # dequantized values; the engine casts to its compute dtype
+        self.tokenizer = gguf_tokenizer(self._value, self.path)
+        eos = self._value("tokenizer.ggml.eos_token_id")
+        self.eos_ids = {int(eos)} if eos is not None else set()
+        missing = [n for n in self.names() if n not in self._tensors and n != "output.weight"]
+        if missing:
+            raise ConfigError(f"{str(self.path)!r} lacks the tensor {to_gguf_name(missing[0])}")
+
+    def _value(self, key: str, default=None):
+        f = self._meta.get(key)
+        return default if f is None else f.contents()
+
+    def _config(self, arch: str) -> LlamaConfig:
+        a = lambda k, d=None: self._value(f"{arch}.{k}", d)  # noqa: E731
+        try:
+            n_heads = int(a("attention.head_count"))
+            emb = self._tensors["tok_embeddings.weight"]
+            return LlamaConfig(
+                dim=int(a("embedding_length")), n_layers=int(a("block_count")), n_heads=n_heads,
+                n_kv_heads=int(a("attention.head_count_kv", n_heads)), vocab_size=int(emb.shape[1]),
+                ffn_dim=int(a("feed_forward_length")), max_seq_len=int(a("context_length", 2048)),
+                rope_theta=float(a("rope.freq_base", 10000.0)),
+                norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+                tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2")
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"{str(self.path)!r} lacks the model metadata a llama GGUF has ({e})") from None
+
+    def names(self) -> list[str]:
+        from .hf import expected_names
+
+        return expected_names(self.config)
+
+    def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]  # tied head
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dimensions innermost first
+        values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not values.flags.writeable:  # float32 tensors come back as views of the read-only map
+            values = values.copy()
+        w = torch.from_numpy(values).reshape(shape)
+        if name.endswith(("wq.weight", "wq.bias")):
+            w = unpermute_from_gguf(w, self.config.n_heads)
+        elif name.endswith(("wk.weight", "wk.bias")):
+            w = unpermute_from_gguf(w, self.config.n_kv_heads)
+        if shard is not None:
+            dim, index, parts = shard
+            w = w.chunk(parts, dim)[index].contiguous()
+        return w
+
+
+def gguf_tokenizer(value, path: Path):
+    """A `tokenizers` tokenizer from GGUF metadata: byte-level BPE ("gpt2", with merges) or
+    SentencePiece ("llama", tokens with scores, rebuilt as a Unigram model with byte fallback,
+    which picks the same pieces in the common case)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    from .tokenizer import HFTokenizer
+
+    kind = value("tokenizer.ggml.model")
+    tokens = value("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise ConfigError(f"{str(path)!r} carries no tokenizer; llmsplit needs tokenizer.ggml.* metadata")
+    types = value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges") or []]
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+        pre = value("tokenizer.ggml.pre", "default")
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if pre == "smollm" else []
+        if pre in ("llama-bpe", "llama3", "qwen2", "deepseek-llm"):
+            # Llama 3 / Qwen2 split text with their own pattern before the byte mapping.
+            pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+            from tokenizers import Regex
+
+            steps += [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        else:
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = value("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk = value("tokenizer.ggml.unknown_token_id", 0)
+        tok = Tokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores)], unk_id=int(unk),
+                                       byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        raise ConfigError(f"{str(path)!r}: tokenizer model {kind!r} is not supported; llmsplit reads gpt2 and llama")
+    # Control and user-defined tokens (types 3 and 4) must never be split into pieces.
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (3, 4)])
+    wrapped = HFTokenizer.from_tokenizer(tok, name=str(path))
+    bos, eos = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
+    wrapped.bos_id = int(bos) if bos is not None else wrapped.bos_id
+    wrapped.eos_id = int(eos) if eos is not None else wrapped.eos_id
+    wrapped.add_bos = bool(value("tokenizer.ggml.add_bos_token", kind == "llama"))
+    return wrapped

@@ -1,0 +1,140 @@
+"""Hugging Face folders out: a training checkpoint becomes a folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads with the same logits.
+
+Names go through the same table as the reader (`hf.to_hf_name`). The built-in byte
+tokenizer is written as an equivalent `tokenizer.json` (a byte-level BPE with no merges
+whose ids are the byte values), so the exported folder is complete either way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..models.llama import LlamaConfig
+from .hf import to_hf_name
+from .tokenizer import ByteTokenizer
+
+DEFAULT_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
+
+
+def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character table, which the `tokenizers` ByteLevel steps use: printable
+    bytes map to themselves, the others to characters from U+0100 on."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer_json() -> str:
+    """Our byte tokenizer as a `tokenizers` pipeline: ByteLevel turns each byte into one
+    character, a BPE without merges gives that character the byte's value as its id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = ByteTokenizer()
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab["<s>"], vocab["</s>"] = tok.bos_id, tok.eos_id
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens(["<s>", "</s>"])
+    return t.to_str()
+
+
+def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write `out` from a run folder or checkpoint. Returns a short description."""
+    from safetensors.torch import save_file
+
+    from .weights import RunWeights
+
+    out = Path(out)
+    if not Path(source).exists():
+        raise ConfigError(f"--checkpoint {str(source)!r} does not exist; pass a run folder or one of its checkpoints")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output {str(out)!r} exists and is not an empty folder; choose a new folder")
+    weights = RunWeights(source)
+    cfg = weights.config
+    tensors = {}
+    for name in weights.names():
+        if cfg.tie_embeddings and name == "output.weight":
+            continue  # transformers re-ties lm_head to the embedding
+        tensors[to_hf_name(name)] = weights.read(name).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shard(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    tok = weights.tokenizer
+    dtype = next(iter(tensors.values())).dtype
+    (out / "config.json").write_text(json.dumps(config_to_hf(cfg, tok.bos_id, tok.eos_id, dtype), indent=1))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}, indent=1))
+    _write_tokenizer(tok, out)
+    return {"tensors": len(tensors), "files": len(shards), "params": cfg.num_params(), "out": str(out)}
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def _write_tokenizer(tok, out: Path) -> None:
+    if isinstance(tok, ByteTokenizer):
+        (out / "tokenizer.json").write_text(byte_tokenizer_json())
+        special = {"bos_token": "<s>", "eos_token": "</s>"}
+    else:
+        src = Path(tok.name)
+        shutil.copyfile(src, out / "tokenizer.json")
+        if (src.parent / "tokenizer_config.json").is_file():
+            shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
+            return
+        special = {}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}, indent=1))

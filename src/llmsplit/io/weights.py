@@ -1,0 +1,79 @@
+"""One entry point for every model format llmsplit reads: a training run folder (or one of
+its checkpoints), a Hugging Face folder, or a GGUF file.
+
+Each reader offers the same small interface, so inference (and training's `model.hf`)
+never cares where weights come from:
+  config: LlamaConfig, tokenizer, eos_ids: set[int], dtype (as stored),
+  names() -> our parameter names, read(name, shard=(dim, index, parts) | None) -> Tensor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, model_config
+from .run_dir import CONFIG_FILE, is_complete_checkpoint, read_run_config, resolve_checkpoint
+from .tokenizer import load_tokenizer
+
+
+def open_weights(path: str | Path, what: str = "--model"):
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{what} {str(path)!r} does not exist; pass a run folder, a checkpoint, a Hugging Face "
+                          f"folder or a .gguf file")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConfigError(f"{what} {str(path)!r} is a file but not a GGUF model; pass a .gguf file or a model folder")
+        from .gguf import GGUFWeights
+
+        return GGUFWeights(path)
+    if (path / "config.json").is_file():
+        from .hf import HFWeights
+
+        return HFWeights(path)
+    if (path / CONFIG_FILE).is_file() or is_complete_checkpoint(path):
+        return RunWeights(path)
+    raise ConfigError(f"{what} {str(path)!r} is not a model: it holds neither config.json (Hugging Face), "
+                      f"{CONFIG_FILE} (an llmsplit run) nor a complete checkpoint")
+
+
+class RunWeights:
+    """The newest complete checkpoint of a training run (or a given checkpoint), read once
+    into CPU memory: distributed checkpoints are written per rank, and training models are
+    small enough to gather whole here."""
+
+    def __init__(self, path: str | Path):
+        import torch.distributed.checkpoint as dcp
+
+        from ..models.llama import Transformer
+
+        run_dir, ck = resolve_checkpoint(path)
+        cfg = read_run_config(run_dir)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.config = model_config(cfg, self.tokenizer.vocab_size)
+        self.eos_ids = {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
+        self.dtype = torch.float32
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(ck))
+        self._state = state["model"]
+
+    def names(self) -> list[str]:
+        from .hf import expected_names
+
+        return expected_names(self.config)
+
+    def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        t = self._state[name]
+        if shard is not None:
+            dim, index, parts = shard
+            t = t.chunk(parts, dim)[index]
+        return t.contiguous()

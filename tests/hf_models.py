@@ -1,0 +1,53 @@
+"""Tiny Hugging Face model folders built in the tests with `transformers` (random weights)
+and a byte-level BPE tokenizer trained with `tokenizers` on Python's own documentation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def train_tokenizer(vocab_size: int = 320):
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = list(topics.values())[:40]
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+def make_hf_folder(path: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:
+    import torch
+    import transformers
+
+    tok = train_tokenizer()
+    kw = dict(SMALL, vocab_size=tok.get_vocab_size(), tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+              **overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).float().eval()
+    with torch.no_grad():  # norms and biases start at 1 and 0; make them count in the comparison
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()

@@ -1,0 +1,127 @@
+"""GGUF files written here with the gguf writer load with the source's logits (F32) or the
+logits of the quantized-then-dequantized weights (Q8_0, Q4_0), and their tokenizer metadata
+gives the tokenizer.json's tokens."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+import llmsplit  # noqa: E402
+from hf_models import hf_model, make_hf_folder  # noqa: E402
+from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.io.gguf import GGUFWeights, permute_for_gguf, to_gguf_name  # noqa: E402
+from llmsplit.io.hf import HFWeights  # noqa: E402
+from llmsplit.models.llama import Transformer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_folder(tmp_path_factory.mktemp("gguf") / "llama", num_hidden_layers=2)
+
+
+def write_gguf(folder, path, qtype):
+    src = HFWeights(folder)
+    cfg = src.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tj["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    expected = {}
+    for name in src.names():
+        t = src.read(name).float()
+        if name.endswith("wq.weight"):
+            t = permute_for_gguf(t, cfg.n_heads)
+        elif name.endswith("wk.weight"):
+            t = permute_for_gguf(t, cfg.n_kv_heads)
+        arr = t.numpy()
+        if t.dim() == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            q = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(to_gguf_name(name), q, raw_dtype=qtype)
+            arr = gguf.quants.dequantize(q, qtype).reshape(arr.shape)
+        else:
+            w.add_tensor(to_gguf_name(name), np.ascontiguousarray(arr))
+        expected[name] = torch.from_numpy(np.array(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def reference_logits(cfg, weights, ids):
+    """Our model with the given weights, q/k permuted back by hand (not by the loader)."""
+    from llmsplit.io.gguf import unpermute_from_gguf
+
+    m = Transformer(cfg).eval()
+    state = dict(weights)
+    for name in state:
+        if name.endswith("wq.weight"):
+            state[name] = unpermute_from_gguf(state[name], cfg.n_heads)
+        elif name.endswith("wk.weight"):
+            state[name] = unpermute_from_gguf(state[name], cfg.n_kv_heads)
+    m.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        return m(ids)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
+def test_gguf_logits_match_the_source(folder, tmp_path, qtype):
+    path = tmp_path / f"model.{qtype}.gguf"
+    expected = write_gguf(folder, path, gguf.GGMLQuantizationType[qtype])
+    m = llmsplit.load(path)
+    ids = torch.randint(0, m.config.vocab_size, (2, 12))
+    got = m.logits(ids)
+    torch.testing.assert_close(got, reference_logits(m.config, expected, ids), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        source = hf_model(folder)(ids).logits
+    if qtype == "F32":
+        torch.testing.assert_close(got, source, atol=1e-4, rtol=0)
+    else:  # the quantization error, and no more than it
+        err = (got - source).abs().max().item()
+        assert 1e-6 < err < (0.05 if qtype == "Q8_0" else 0.5) * source.abs().max().item(), err
+
+
+def test_gguf_tokenizer_matches_tokenizer_json(folder, tmp_path):
+    path = tmp_path / "model.gguf"
+    write_gguf(folder, path, gguf.GGMLQuantizationType.F32)
+    from llmsplit.io.tokenizer import HFTokenizer
+
+    ours, ref = GGUFWeights(path).tokenizer, HFTokenizer(folder / "tokenizer.json")
+    for text in ("The def statement defines a function.", "x = [1, 2, 3]\n\tpass  # done", "</s> naïve"):
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text)) == text.replace("</s>", "")
+    assert ours.eos_id == 1
+
+
+def test_unsupported_gguf_is_named(tmp_path, folder):
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="architecture 'falcon' is not supported"):
+        GGUFWeights(path)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(ConfigError, match="not a readable GGUF"):
+        GGUFWeights(tmp_path / "junk.gguf")

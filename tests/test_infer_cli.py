@@ -1,0 +1,50 @@
+"""`llmsplit generate` on a Hugging Face folder: the API's text, the device map, and one
+clear sentence (exit 2) for each kind of bad input."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import llmsplit  # noqa: E402
+from helpers import run_cli  # noqa: E402
+from hf_models import make_hf_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_folder(tmp_path_factory.mktemp("cli") / "llama", num_hidden_layers=2)
+
+
+def test_cli_prints_what_the_api_generates(folder, tmp_path):
+    m = llmsplit.load(folder)
+    want = m.generate("The def statement", max_new_tokens=8, ignore_eos=True)
+    out = run_cli("generate", "--model", str(folder), "The", "def", "statement", "--max-new-tokens", "8",
+                  "--ignore-eos", "--max-memory", "cpu=500KiB", "--offload-dir", str(tmp_path / "off"),
+                  "--max-context", "32", "--show-device-map", "--stream")
+    assert out.stdout == want + "\n"
+    assert "device map:" in out.stderr and ": disk" in out.stderr and "cpu:" in out.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent/model", "hi"], "does not exist"),
+    (["--model", "{tmp}", "hi"], "is not a model"),
+    (["--model", "{gpt2}", "hi"], "'GPT2LMHeadModel' (model_type 'gpt2') is not supported"),
+    (["--model", "{folder}", "hi", "--max-memory", "cpu:1GB"], "--max-memory 'cpu:1GB' does not parse"),
+    (["--model", "{folder}", "hi", "--max-memory", "cpu=10KiB"], "more than the memory budgets allow"),
+    (["--model", "{folder}", "hi", "--max-memory", "cpu=10KiB", "--offload-dir", "{tmp}/off"],
+     "more than the memory budgets allow"),
+    (["--model", "{folder}", "hi", "--tp", "3"], "--tp 3 does not divide"),
+    (["--model", "{folder}", ""], "the prompt is empty"),
+])
+def test_bad_input_is_one_sentence(folder, tmp_path, args, message):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    raw = json.loads((folder / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    args = [a.format(tmp=tmp_path, gpt2=gpt2, folder=folder) for a in args]
+    proc = run_cli("generate", *args, check=False, input="")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err

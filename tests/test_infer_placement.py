@@ -1,0 +1,88 @@
+"""Placement as a pure function, on fake budgets of several GPUs."""
+
+import pytest
+
+from llmsplit.config import ConfigError
+from llmsplit.infer.placement import (PlacementError, Sizes, kv_bytes_per_layer, parse_max_memory, parse_size,
+                                      place, units)
+from llmsplit.models.llama import LlamaConfig
+
+GiB = 1 << 30
+CFG = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                  max_seq_len=8192)  # Llama-3-8B
+BF16 = Sizes(batch=4, context=4096, dtype_bytes=2, kv_dtype_bytes=2, reserve={"cuda": GiB, "cpu": 0})
+
+
+def test_every_budget_is_respected_and_units_stay_in_order():
+    budgets = {"cuda:0": 6 * GiB, "cuda:1": 5 * GiB, "cpu": 4 * GiB, "disk": None}
+    p = place(CFG, budgets, "auto", BF16)
+    for dev, u in p.usage.items():
+        assert budgets[dev] is None or u["total"] <= budgets[dev], (dev, u)
+    order = ["cuda:0", "cuda:1", "cpu", "disk"]
+    ranks = [order.index(d) for d in p.device_map.values()]
+    assert ranks == sorted(ranks) and set(p.device_map.values()) == set(order)
+    assert list(p.device_map) == [u for u, _ in units(CFG, 2)]
+
+
+def test_the_kv_cache_is_counted():
+    kv = kv_bytes_per_layer(CFG, BF16)
+    assert kv == 2 * 8 * 128 * 2 * 4 * 4096  # 2 (k, v) x kv heads x head dim x bytes x batch x context
+    p = place(CFG, {"cuda:0": 80 * GiB}, "auto", BF16)
+    assert p.usage["cuda:0"]["kv_cache"] == 32 * kv
+    weights = p.usage["cuda:0"]["weights"]
+    # A budget that holds the weights but not the weights + KV cache is refused.
+    with pytest.raises(PlacementError, match=r"needs \d+ bytes"):
+        place(CFG, {"cuda:0": weights + GiB + 16 * kv}, "auto", BF16)
+    # More context means fewer layers on the GPU.
+    long = Sizes(batch=16, context=8192, dtype_bytes=2, kv_dtype_bytes=2)
+    short_map = place(CFG, {"cuda:0": 20 * GiB, "cpu": 64 * GiB}, "auto", BF16).device_map
+    long_map = place(CFG, {"cuda:0": 20 * GiB, "cpu": 64 * GiB}, "auto", long).device_map
+    assert list(long_map.values()).count("cuda:0") < list(short_map.values()).count("cuda:0")
+
+
+def test_offloaded_layers_charge_the_execution_device():
+    p = place(CFG, {"cuda:0": 8 * GiB, "cpu": 100 * GiB}, "auto", BF16)
+    gpu = p.usage["cuda:0"]
+    assert "cpu" in p.device_map.values() and p.exec_device == "cuda:0"
+    assert gpu["staging"] == 2 * dict(units(CFG, 2))["output"]  # the largest offloaded unit, twice
+    assert gpu["kv_cache"] == 32 * kv_bytes_per_layer(CFG, BF16)  # every layer's cache lives where it runs
+    assert p.usage["cpu"]["kv_cache"] == 0
+
+
+def test_balanced_spreads_evenly():
+    budgets = {f"cuda:{i}": 24 * GiB for i in range(4)}
+    p = place(CFG, budgets, "balanced", BF16)
+    loads = [p.usage[d]["weights"] + p.usage[d]["kv_cache"] for d in budgets]
+    layer = dict(units(CFG, 2))["layers.0"] + kv_bytes_per_layer(CFG, BF16)
+    assert max(loads) - min(loads) <= 2 * layer, loads
+    seq = place(CFG, budgets, "sequential", BF16)
+    assert "cuda:3" not in seq.device_map.values()  # filling in order leaves the last GPU empty
+
+
+def test_explicit_maps_are_honoured():
+    explicit = {"": "cuda:1", "layers.0": "cuda:0", "tok_embeddings": "cuda:0", "output": "cpu"}
+    p = place(CFG, {"cuda:0": 80 * GiB, "cuda:1": 80 * GiB, "cpu": 80 * GiB}, explicit, BF16)
+    assert p.device_map["layers.0"] == "cuda:0" and p.device_map["layers.1"] == "cuda:1"
+    assert p.device_map["output"] == "cpu" and p.device_map["norm"] == "cuda:1"
+    assert place(CFG, {"cuda:0": 80 * GiB, "cuda:1": 80 * GiB}, "cuda:1", BF16).device_map["layers.5"] == "cuda:1"
+    with pytest.raises(PlacementError, match="cuda:0 by"):
+        place(CFG, {"cuda:0": 4 * GiB, "cpu": 80 * GiB}, {"": "cuda:0"}, BF16)
+
+
+def test_impossible_budgets_give_the_shortfall_in_bytes():
+    with pytest.raises(PlacementError) as e:
+        place(CFG, {"cuda:0": 2 * GiB, "cpu": 2 * GiB}, "auto", BF16)
+    short = int(str(e.value).split("needs ")[1].split(" bytes")[0])
+    assert short > 10 * GiB and "--offload-dir" in str(e.value)
+    # With disk but an execution device too small for even one layer's staging: still refused.
+    with pytest.raises(PlacementError):
+        place(CFG, {"cpu": 100 << 20, "disk": None}, "auto", BF16)
+
+
+def test_sizes_and_budgets_parse():
+    assert parse_size("20GiB", "x") == 20 * GiB and parse_size("1.5GB", "x") == 1_500_000_000
+    assert parse_max_memory("cuda:0=20GiB, cpu=64GiB") == {"cuda:0": 20 * GiB, "cpu": 64 * GiB}
+    assert parse_max_memory({"cuda": "1GiB"}) == {"cuda:0": GiB}
+    for bad in ("cuda:0:20GiB", "cuda:0=lots", "gpu0=1GiB"):
+        with pytest.raises(ConfigError):
+            parse_max_memory(bad)

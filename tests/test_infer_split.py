@@ -1,0 +1,74 @@
+"""The same logits and greedy tokens whatever the layout: whole on CPU, cpu + disk under a
+small budget, a batch against one prompt at a time, tensor parallel and pipeline workers."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import llmsplit  # noqa: E402
+from hf_models import make_hf_folder  # noqa: E402
+from llmsplit.infer.engine import SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [12, 8], [200, 201, 202, 203, 204], [77]]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_folder(tmp_path_factory.mktemp("split") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    m = llmsplit.load(folder, device_map="cpu")
+    out = run(m)
+    m.close()
+    return out
+
+
+def run(m, batched: bool = True):
+    ids = torch.tensor([PROMPTS[0] * 2, PROMPTS[2] + PROMPTS[0] + PROMPTS[1]])
+    params = SamplingParams(10, ignore_eos=True)
+    if batched:
+        seqs = [m.engine.new_sequence(p, params) for p in PROMPTS]
+        m.engine.generate(seqs)
+    else:
+        seqs = []
+        for p in PROMPTS:
+            seqs.append(m.engine.new_sequence(p, params))
+            m.engine.generate(seqs[-1:])
+    assert m.engine.pool.free_blocks == m.engine.pool.num_blocks  # every block returned
+    return m.logits(ids), [s.tokens for s in seqs]
+
+
+def assert_same(got, want):
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    assert got[1] == want[1]
+
+
+def test_one_prompt_at_a_time_equals_the_batch(folder, reference):
+    m = llmsplit.load(folder, device_map="cpu")
+    assert_same(run(m, batched=False), reference)
+    m2 = llmsplit.load(folder, device_map="cpu", max_batch=2)  # waits for blocks/slots to free up
+    assert_same(run(m2), reference)
+
+
+def test_cpu_plus_disk_under_a_small_budget(folder, reference, tmp_path):
+    m = llmsplit.load(folder, max_memory={"cpu": "900KiB"}, offload_dir=tmp_path / "off", max_context=64)
+    where = list(m.device_map.values())
+    assert "cpu" in where and "disk" in where, m.device_map
+    assert len(list((tmp_path / "off").glob("*.safetensors"))) == where.count("disk")
+    assert_same(run(m), reference)
+    m.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}])
+def test_worker_processes(folder, reference, layout):
+    m = llmsplit.load(folder, **layout)
+    try:
+        assert_same(run(m), reference)
+        assert m.generate("The def statement", max_new_tokens=6) == llmsplit.load(folder).generate(
+            "The def statement", max_new_tokens=6)
+    finally:
+        m.close()
