@@ -12,7 +12,30 @@ import torch
 
 
 class LaunchError(RuntimeError):
-    """A worker failed; the message names the rank and what it reported."""
+    """A worker failed (the message names the rank and what it reported), or the nodes
+    did not find each other (`hint` then says how to check the network)."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def check_master_addr(addr: str, port: int | None) -> None:
+    """A master address that does not resolve is a typo, not a network failure: say so
+    before waiting timeout_s for a rendezvous that cannot happen."""
+    from .config import ConfigError
+
+    try:
+        socket.getaddrinfo(addr, port)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--master-addr {addr!r} does not resolve ({e}); pass node 0's host name or IP "
+                          f"address (`llmsplit doctor --master-addr {addr} --master-port {port}` checks it)") from None
+
+
+def _doctor_hint(addr: str, port: int) -> str:
+    return (f"start the same command on every node (same --nnodes, --master-addr, --master-port; node 0 first), "
+            f"check that node 0's firewall lets port {port} in, and run `llmsplit doctor --master-addr {addr} "
+            f"--master-port {port}` on each node")
 
 
 def under_torchrun() -> bool:
@@ -31,12 +54,21 @@ def free_port() -> int:
 
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-           master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0) -> dict:
+           master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
+           timeout_s: float = 600.0) -> dict:
     """Run `entrypoint(*args)` in nproc × nnodes workers; returns {global rank: return value}.
+    The nodes wait up to `timeout_s` for each other.
 
-    Uses the static rendezvous (as `torchrun --master-addr/--master-port` does), which
-    honours --node-rank; the c10d rendezvous would order nodes by arrival instead.
+    The rendezvous is the static one (what `torchrun --node-rank --master-addr
+    --master-port` uses): node 0 hosts a c10d TCPStore at master-addr:master-port and every
+    node joins it under its --node-rank. The c10d *backend* (`--rdzv-backend c10d`) would
+    ignore --node-rank and number nodes by sorting host names and process ids, so global
+    rank 0, the one that writes metrics, summary and checkpoint markers, could land on
+    any machine; users of --node-rank expect node 0 to be the master they named. What
+    c10d adds, nodes joining or leaving a running job, llmsplit does not offer
+    (min_nodes = max_nodes); plain `torchrun --rdzv-backend c10d` still runs llmsplit.
     """
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -53,7 +85,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}",
         rdzv_backend="static", rdzv_endpoint=f"{master_addr}:{master_port}",
-        rdzv_configs={"rank": node_rank, "timeout": 900},
+        rdzv_configs={"rank": node_rank, "timeout": int(max(1, timeout_s))},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
@@ -64,3 +96,12 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         last = [line for line in str(message).strip().splitlines() if line.strip()]
         detail = last[-1] if last else f"exit code {failure.exitcode}"
         raise LaunchError(f"worker rank {rank} failed: {detail}") from None
+    except DistError as e:
+        if nnodes == 1:
+            raise
+        waited = f"within {timeout_s:g}s (train.timeout_s)"
+        if node_rank == 0:
+            raise LaunchError(f"not all {nnodes} nodes joined at {master_addr}:{master_port} {waited}: {e}",
+                              _doctor_hint(master_addr, master_port)) from None
+        raise LaunchError(f"node {node_rank} could not reach the master {master_addr}:{master_port} {waited}: {e}",
+                          _doctor_hint(master_addr, master_port)) from None

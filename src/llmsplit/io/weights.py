@@ -48,9 +48,8 @@ class RunWeights:
     small enough to gather whole here."""
 
     def __init__(self, path: str | Path):
-        import torch.distributed.checkpoint as dcp
-
         from ..models.llama import Transformer
+        from . import dcp_files
 
         run_dir, ck = resolve_checkpoint(path)
         cfg = read_run_config(run_dir)
@@ -63,7 +62,7 @@ class RunWeights:
         state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(ck))
+            dcp_files.load(state, ck)  # never unpickles code from the checkpoint
         self._state = state["model"]
 
     def names(self) -> list[str]:

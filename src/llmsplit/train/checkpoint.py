@@ -27,7 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..config import ConfigError
+from ..io import dcp_files
 from ..io.run_dir import STATE_FILE, list_checkpoints
+from ..models.llama import Transformer
 from ..parallel.data_parallel import local_optimizer
 
 # Optimizer state keyed by parameter name ("state.<name>.exp_avg"), one entry per
@@ -94,7 +97,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model and optimizer state in place; returns the trainer state."""
     path = Path(path)
     state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp_files.load(state, path)  # never unpickles code from the checkpoint
     set_model_state_dict(model, state["model"])
     _load_optim_state(model, optimizer, state["optim"])
     train_state = json.loads((path / STATE_FILE).read_text())
@@ -102,3 +105,16 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     if rng is not None:
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
     return train_state
+
+
+def check_fits(path: Path, model_cfg) -> None:
+    """Refuse, before any worker starts, a checkpoint whose tensors are not this model's:
+    DCP would otherwise fail deep inside a load on every rank, or (for a missing tensor)
+    silently keep the fresh initialisation."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    mismatch = dcp_files.first_shape_mismatch(dcp_files.read_metadata(path), expected)
+    if mismatch:
+        raise ConfigError(f"checkpoint {str(path)!r} is not of this model: {mismatch}; resume with the [model] "
+                          f"settings it was trained with (its run folder's config.toml)")

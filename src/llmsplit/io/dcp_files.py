@@ -1,0 +1,113 @@
+"""Reading distributed checkpoints (`torch.distributed.checkpoint`) without running code.
+
+DCP stores tensors with `torch.save` (read back with `weights_only=True`), but two parts of
+its reader unpickle freely: the `.metadata` file (`pickle.load`) and non-tensor values
+such as optimizer hyper-parameters (`torch.load(weights_only=False)` in
+`DefaultLoadPlanner.load_bytes`). A checkpoint from someone else could run code through
+either. `SafeReader` and `SafePlanner` close both: the metadata unpickler accepts only
+DCP's own metadata classes and torch's sizes and dtypes, and the values go through
+`weights_only=True`. Every DCP read in llmsplit goes through them.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from .run_dir import METADATA_FILE
+
+
+
+class UnsafeCheckpoint(ValueError):
+    """The metadata names a Python object outside what a DCP checkpoint may contain."""
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module == dcp_metadata.__name__:
+        return isinstance(getattr(dcp_metadata, name, None), type)
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {
+        (_StorageInfo.__module__, _StorageInfo.__name__),
+        ("torch.serialization", "_get_layout"),  # how torch pickles a layout (torch.strided)
+        ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),  # the checkpoint id DCP records
+        ("collections", "OrderedDict"),
+    }
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if not _allowed(module, name):
+            raise UnsafeCheckpoint(f"{METADATA_FILE} refers to {module}.{name}, which a checkpoint never contains")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        with open(Path(self.path) / METADATA_FILE, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpoint(f"{METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # The same as DefaultLoadPlanner.load_bytes, with weights_only=True.
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load(state: dict, path: str | Path) -> None:
+    """`dcp.load` in place, through the safe reader and planner."""
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+
+
+def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
+    return SafeReader(str(path)).read_metadata()
+
+
+def storage_problem(path: str | Path, metadata: dcp_metadata.Metadata) -> str | None:
+    """What is missing from the data files the metadata points at (a crash or a copy cut
+    short leaves them shorter than recorded), or None."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"data file {name} is missing"
+        if file.stat().st_size < size:
+            return f"data file {name} is truncated ({file.stat().st_size} bytes, the metadata needs {size})"
+    return None
+
+
+def first_shape_mismatch(metadata: dcp_metadata.Metadata, expected: dict[str, tuple[int, ...]],
+                         prefix: str = "model.") -> str | None:
+    """The first tensor whose shape (or presence) differs between the checkpoint and
+    `expected` (parameter name -> shape), in the model's order, or None."""
+    saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if k.startswith(prefix) and hasattr(v, "size")}
+    for name, shape in expected.items():
+        if name not in saved:
+            return f"tensor {name} {list(shape)} of this model is not in the checkpoint"
+        if saved[name] != tuple(shape):
+            return f"tensor {name} is {list(saved[name])} in the checkpoint but {list(shape)} in this model"
+    extra = [name for name in saved if name not in expected]
+    if extra:
+        return f"tensor {extra[0]} {list(saved[extra[0]])} of the checkpoint is not in this model"
+    return None

@@ -1,0 +1,166 @@
+"""Checkpoints written under one layout resume under any other and continue exactly;
+damaged checkpoints are skipped (`--resume auto`) or refused before any worker starts
+(`--resume PATH`); loading never unpickles code. Real gloo process groups, tiny model.
+
+One zero 3 × 2 run of 8 steps (checkpoints every 2 steps, keep 3) is the uninterrupted
+reference; every resumed run must log its losses for the steps it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_close_losses, losses, train
+from llmsplit.cli import main
+
+pytestmark = pytest.mark.slow
+
+# Four layers so that two pipeline ranks hold two each.
+MP = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+      "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=8", "train.warmup_steps=2",
+      "checkpoint.every=2"]
+
+INTO = {  # name: (workers, settings) of the layouts a zero 3 × 2 checkpoint resumes into
+    "one_process": (1, []),
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "zero3x4": (4, ["parallel.zero=3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("source") / "run"
+    train(run, *MP, "parallel.zero=3", "checkpoint.keep=3", nproc=2)
+    return run
+
+
+@pytest.fixture(scope="module")
+def resumed(source, tmp_path_factory):
+    """resumed(name) -> run folder of the zero 3 step-4 checkpoint continued as INTO[name]."""
+    root = tmp_path_factory.mktemp("resumed")
+    done: dict[str, Path] = {}
+
+    def _resumed(name: str) -> Path:
+        if name not in done:
+            nproc, sets = INTO[name]
+            train(root / name, *MP, *sets, nproc=nproc, extra=("--resume", str(source / "checkpoints" / "step_4")))
+            done[name] = root / name
+        return done[name]
+
+    return _resumed
+
+
+def test_keep_holds_only_the_newest_checkpoints(source):
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["step_4", "step_6", "step_8"]
+
+
+@pytest.mark.parametrize("name", list(INTO))
+def test_a_zero3_checkpoint_continues_exactly_under_another_layout(source, resumed, name):
+    run = resumed(name)
+    assert_close_losses(losses(run), losses(source)[4:])
+    assert json.loads((run / "summary.json").read_text())["world_size"] == INTO[name][0]
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_tp_and_pp_checkpoints_continue_exactly_as_zero3(source, resumed, name, tmp_path):
+    # Pipeline ranks each wrote only their stages' tensors; the zero 3 ranks read all of them.
+    train(tmp_path / "run", *MP, "parallel.zero=3", nproc=2,
+          extra=("--resume", str(resumed(name) / "checkpoints" / "step_6")))
+    assert_close_losses(losses(tmp_path / "run"), losses(source)[6:])
+
+
+def test_auto_resume_skips_damaged_checkpoints_and_takes_a_new_layout(source, tmp_path):
+    """`--resume auto` continues a run from its own config.toml under --set parallel.tp=2,
+    passing over a half-written folder and a truncated checkpoint, with a warning each."""
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    (run / "summary.json").unlink()
+    ck = run / "checkpoints"
+    (ck / "step_8").rename(ck / ".step_8.tmp")  # as if the crash came before the rename
+    (ck / ".step_8.tmp" / "train_state.json").unlink()
+    data = sorted((ck / "step_6").glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[:100])
+    proc = train(run, "parallel.tp=2", nproc=2, extra=("--resume", "auto"))
+    assert f"skipping checkpoint {ck / '.step_8.tmp'}: a write that never finished" in proc.stderr
+    assert f"skipping checkpoint {ck / 'step_6'}: data file {data.name} is truncated" in proc.stderr
+    assert f"resumed from {ck / 'step_4'} at step 4" in proc.stderr
+    assert_close_losses(losses(run), losses(source))
+    assert json.loads((run / "summary.json").read_text())["layout"]["tp"] == 2
+
+
+def _damaged(source: Path, tmp_path: Path, how: str) -> Path:
+    ck = tmp_path / "step_4"
+    shutil.copytree(source / "checkpoints" / "step_4", ck)
+    if how == "truncated":
+        data = sorted(ck.glob("*.distcp"))[0]
+        data.write_bytes(data.read_bytes()[:1000])
+    elif how == "no_marker":
+        (ck / "train_state.json").unlink()
+    elif how == "half_metadata":
+        (ck / ".metadata").write_bytes((ck / ".metadata").read_bytes()[:300])
+    elif how == "missing_data":
+        sorted(ck.glob("*.distcp"))[-1].unlink()
+    return ck
+
+
+@pytest.mark.parametrize("how,fragment", [
+    ("truncated", "is truncated (1000 bytes, the metadata needs"),
+    ("no_marker", "it has no train_state.json (the write did not finish)"),
+    ("half_metadata", "its .metadata cannot be read"),
+    ("missing_data", "is missing"),
+])
+def test_resuming_a_damaged_checkpoint_is_refused_before_any_worker(source, tmp_path, capsys, how, fragment):
+    ck = _damaged(source, tmp_path, how)
+    args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--resume", str(ck)]
+    assert main(args + [x for s in MP for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {str(ck)!r} cannot be used: " in err[0] and fragment in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ("model.ffn_dim=96", "tensor layers.0.feed_forward.w1.weight is [128, 64] in the checkpoint but [96, 64] "
+                         "in this model"),
+    ("model.n_layers=2", "tensor layers.2.attention_norm.weight [64] of the checkpoint is not in this model"),
+])
+def test_a_checkpoint_of_another_model_names_the_first_mismatching_tensor(source, tmp_path, capsys, change,
+                                                                           fragment):
+    args = ["train", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
+            "--resume", str(source / "checkpoints" / "step_4")]
+    assert main(args + [x for s in (*MP, change) for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not of this model: " + fragment in err[0], err
+
+
+class _Payload:
+    """Unpickling this would create `flag` (os.system), as a hostile checkpoint could."""
+
+    def __init__(self, flag: Path):
+        self.flag = flag
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.flag}",)
+
+
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_unread(source, tmp_path, capsys):
+    ck = _damaged(source, tmp_path, "none")
+    flag = tmp_path / "pwned"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(flag)))
+    args = ["train", "--nproc", "1", "--run-dir", str(tmp_path / "run"), "--resume", str(ck)]
+    assert main(args + [x for s in MP for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert "refers to posix.system, which a checkpoint never contains" in err, err
+    assert not flag.exists()
+
+
+def test_resume_of_nothing_is_refused(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
