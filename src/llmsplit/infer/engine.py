@@ -1,16 +1,20 @@
 """Generation: prefill and decode steps over a paged KV cache, several sequences at once.
 
 The engine runs in the driving process (rank 0 when the model is split over workers). It
-keeps the block pool, admits waiting sequences while their worst case (prompt + max new
-tokens) fits in the free blocks, prefills each admitted prompt on its own (no padding),
-then decodes every running sequence together, one token per step, until each stops on EOS,
-a stop string or its token limit. The runner it drives hides where the model lives
-(one process with offload, or tensor/pipeline-parallel workers).
+keeps the block pool and two queues: `waiting` sequences are admitted while their worst
+case (prompt + max new tokens) fits in the blocks not yet promised to others, each admitted
+prompt is prefilled on its own (no padding), then every `running` sequence decodes one token
+in the same step; a sequence leaves on EOS, a stop string or its token limit and returns its
+blocks at once. `step()` is one such round, so a caller can add sequences between rounds
+(continuous batching, as the server's scheduler does) or run them all to the end
+(`generate`). The runner it drives hides where the model lives (one process with offload,
+or tensor/pipeline-parallel workers).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +44,7 @@ class SamplingParams:
             raise ConfigError(f"top_k {self.top_k} must be at least 1")
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, whatever its contents: queues find it by identity
 class Sequence:
     id: int
     prompt: list[int]
@@ -49,7 +53,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far, cut at a stop string when one appears
     emitted: int = 0  # characters already streamed
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "abort"
+    on_text: Callable[[str], None] | None = None  # receives text once it can no longer change
 
     @property
     def length(self) -> int:
@@ -82,11 +87,17 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self._next_id = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._reserved: dict[int, int] = {}  # sequence id -> blocks promised to its worst case
+        self.prompt_tokens = 0  # totals since start, for the server's metrics
+        self.sampled_tokens = 0
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the prompt through the model once, filling its KV cache; logits [vocab] of the
         next token."""
         self.pool.append(seq.id, len(seq.prompt))
+        self.prompt_tokens += len(seq.prompt)
         step = self.pool.step([seq.id], len(seq.prompt))
         return self.runner.forward(torch.tensor([seq.prompt]), step, last_only=True)[0, -1].float()
 
@@ -109,44 +120,81 @@ class Engine:
         self._next_id += 1
         return Sequence(self._next_id, list(prompt), params, gen)
 
+    def check(self, seq: Sequence) -> None:
+        """Refuse a sequence whose worst case could never fit in the pool (it would wait forever)."""
+        if self.pool.blocks_for(self._budget(seq)) > self.pool.num_blocks:
+            raise ConfigError(f"prompt + max_new_tokens = {self._budget(seq)} tokens exceed the KV cache "
+                              f"({self.pool.num_blocks * self.pool.block_size} tokens)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and return its blocks (e.g. its client went away)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """Admit what fits, prefill it, decode one token for every running sequence; returns
+        the sequences that finished in this step (their blocks are already free)."""
+        finished = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = self.pool.blocks_for(self._budget(seq))
+            if need > self.pool.num_blocks - sum(self._reserved.values()):
+                break  # wait until a running sequence returns its blocks
+            self.waiting.popleft()
+            self._reserved[seq.id] = need
+            self.running.append(seq)
+            self._advance(seq, self.prefill(seq))
+        decoding = [s for s in self.running if s.finish_reason is None]
+        if decoding:
+            logits = self.decode_step(decoding)
+            for row, seq in enumerate(decoding):
+                self._advance(seq, logits[row])
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self.running.remove(seq)
+            self._release(seq)
+            finished.append(seq)
+        return finished
+
     def generate(self, seqs: list[Sequence], on_text=None) -> list[Sequence]:
         """Run every sequence to its end; `on_text(index, piece)` receives text as it is final."""
-        waiting, running, reserved = deque(enumerate(seqs)), [], {}
-        while waiting or running:
-            while waiting and len(running) < self.max_batch:
-                i, seq = waiting[0]
-                need = self.pool.blocks_for(self._budget(seq))
-                if need > self.pool.num_blocks:
-                    raise ConfigError(f"prompt + max_new_tokens = {self._budget(seq)} tokens exceed the KV cache "
-                                      f"({self.pool.num_blocks * self.pool.block_size} tokens)")
-                if need > self.pool.num_blocks - sum(reserved.values()):
-                    break  # wait until a running sequence returns its blocks
-                waiting.popleft()
-                reserved[seq.id] = need
-                self._advance(i, seq, self.prefill(seq), on_text)
-                if seq.finish_reason is None:
-                    running.append((i, seq))
-                else:
-                    self._finish(seq, reserved)
-            if running:
-                logits = self.decode_step([s for _, s in running])
-                for row, (i, seq) in enumerate(running):
-                    self._advance(i, seq, logits[row], on_text)
-                for i, seq in [r for r in running if r[1].finish_reason is not None]:
-                    self._finish(seq, reserved)
-                running = [r for r in running if r[1].finish_reason is None]
+        for seq in seqs:
+            self.check(seq)
+        for i, seq in enumerate(seqs):
+            if on_text is not None:
+                seq.on_text = lambda piece, i=i: on_text(i, piece)
+            self.waiting.append(seq)
+        try:
+            while any(s.finish_reason is None for s in seqs):
+                self.step()
+        except BaseException:
+            for seq in seqs:  # an interrupted call must not leave its sequences holding blocks
+                self.abort(seq)
+            raise
         return seqs
 
     def _budget(self, seq: Sequence) -> int:
         return min(len(seq.prompt) + seq.params.max_new_tokens, self.max_context)
 
-    def _finish(self, seq: Sequence, reserved: dict) -> None:
+    def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.id)
-        reserved.pop(seq.id)
+        self._reserved.pop(seq.id, None)
 
-    def _advance(self, index: int, seq: Sequence, logits: torch.Tensor, on_text) -> None:
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
         nxt = sample(logits, p, seq.generator)
+        self.sampled_tokens += 1
         if nxt in self.eos_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
         else:
@@ -157,11 +205,11 @@ class Engine:
                 seq.text, seq.finish_reason = seq.text[:min(hits)], "stop"
             elif len(seq.tokens) >= p.max_new_tokens or seq.length >= self.max_context:
                 seq.finish_reason = "length"
-        if on_text is not None:
-            self._stream(index, seq, on_text)
+        if seq.on_text is not None:
+            self._stream(seq)
 
     @staticmethod
-    def _stream(index: int, seq: Sequence, on_text) -> None:
+    def _stream(seq: Sequence) -> None:
         # Hold back what could still change: a partial UTF-8 character, or the start of a stop string.
         end = len(seq.text)
         if seq.finish_reason is None:
@@ -170,5 +218,5 @@ class Engine:
             hold = max((len(s) - 1 for s in seq.params.stop), default=0)
             end = max(seq.emitted, end - hold)
         if end > seq.emitted:
-            on_text(index, seq.text[seq.emitted:end])
+            seq.on_text(seq.text[seq.emitted:end])
             seq.emitted = end

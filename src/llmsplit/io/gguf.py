@@ -190,4 +190,5 @@ def gguf_tokenizer(value, path: Path):
     wrapped.bos_id = int(bos) if bos is not None else wrapped.bos_id
     wrapped.eos_id = int(eos) if eos is not None else wrapped.eos_id
     wrapped.add_bos = bool(value("tokenizer.ggml.add_bos_token", kind == "llama"))
+    wrapped.chat_template = value("tokenizer.chat_template")
     return wrapped

@@ -16,6 +16,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; 256 and 257 mark the start and end of a document."""
 
     name = "byte"
+    chat_template = None  # no model-specific chat format: the server uses its plain default
     vocab_size = 258
     bos_id = 256
     eos_id = 257
@@ -26,11 +27,15 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_text(self, i: int | None) -> str:
+        return ""  # the document markers have no text form
+
 
 class HFTokenizer:
     """A `tokenizer.json` file (as Hugging Face `transformers` writes it)."""
 
     add_bos = False  # GGUF files say whether the model expects a leading BOS; tokenizer.json does not
+    chat_template: str | None = None  # Jinja source, from tokenizer_config.json or GGUF metadata
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
@@ -65,6 +70,10 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, i: int | None) -> str:
+        """The text of one token (e.g. "<s>"), which chat templates write into the prompt."""
+        return "" if i is None else self._tok.id_to_token(i) or ""
+
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer"):
     """`"byte"` or a path to a tokenizer.json (or a folder holding one)."""
@@ -81,3 +90,21 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer"):
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{key}={spec!r} is not a tokenizer.json that the tokenizers library can read "
                           f"({first[:120]}); pass \"byte\" or a valid tokenizer.json") from None
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The chat template `transformers` saved next to a tokenizer: `chat_template.jinja`
+    (transformers >= 4.43) or the `chat_template` key of tokenizer_config.json, which older
+    versions wrote as a string or as a list of named templates."""
+    import json
+
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    try:
+        raw = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        raw = named.get("default", next(iter(named.values()), None))
+    return raw if isinstance(raw, str) else None

@@ -1,0 +1,427 @@
+"""OpenAI-compatible HTTP server over the engine (`llmsplit serve`).
+
+The event loop only parses, tokenizes and relays: a `Scheduler` thread owns the engine and
+batches every live request (continuous batching), and text comes back to each request's
+asyncio queue as the engine makes it final. One process serves; with --tp/--pp it is rank
+0 of the split model and its worker processes follow the scheduler's steps.
+
+Safety at the edge (`_Gate`, before any parsing): /v1 routes need the API key when one is
+set, bodies are capped in size, and every refusal is a 4xx in OpenAI's error shape. SIGTERM
+or Ctrl-C stops accepting connections, lets in-flight requests finish for up to the drain
+timeout, then aborts the rest (their clients get an error event) and frees the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ConfigError
+from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
+from .engine import SamplingParams
+from .protocol import APIError, ChatRequest, CompletionRequest
+from .scheduler import QueueFull, Request as Work, Scheduler
+
+RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
+
+
+class _Channel:
+    """Events from the scheduler thread into one request's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is waiting for this event
+            pass
+
+
+class _Gate:
+    """ASGI middleware: API key on /v1, body size cap, and response counts by status."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, statuses: dict[int, int]):
+        self.app, self.api_key, self.max_body, self.statuses = app, api_key, max_body, statuses
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                self.statuses[message["status"]] = self.statuses.get(message["status"], 0) + 1
+            await send(message)
+
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return await _error(APIError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
+                                             code="invalid_api_key"), counted_send)
+        try:
+            declared = int(headers.get(b"content-length", 0))
+        except ValueError:
+            return await _error(APIError(400, "the Content-Length header is not a number"), counted_send)
+        too_large = APIError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
+        if declared > self.max_body:
+            return await _error(too_large, counted_send)
+        # Read the body here, capped, then replay it: a chunked upload has no length to check
+        # up front. Later receive() calls pass through, so disconnects are still seen.
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left while sending
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                return await _error(too_large, counted_send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, counted_send)
+
+
+async def _error(err: APIError, send) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Server:
+    """The app's state and routes over one loaded model."""
+
+    def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
+                 max_body: int = 1 << 20, announce: str | None = None):
+        if max_queue < 0 or max_body < 1:
+            raise ConfigError(f"--max-queue {max_queue} must be 0 or more and --max-request-size {max_body} positive")
+        self.model, self.name, self.announce = model, name, announce
+        self.engine = model.engine
+        # A broken template fails the start, not every chat request.
+        compile_template(self.engine.tokenizer.chat_template or DEFAULT_TEMPLATE)
+        self.scheduler = Scheduler(self.engine, max_queue)
+        self.statuses: dict[int, int] = {}
+        self.created = int(time.time())
+        self.app = self._app(api_key, max_body)
+
+    # ------------------------------------------------------------ app
+
+    def _app(self, api_key, max_body):
+        @asynccontextmanager
+        async def lifespan(app):
+            self.scheduler.start()
+            if self.announce:
+                print(self.announce, file=sys.stderr, flush=True)
+            try:
+                yield
+            finally:
+                self.scheduler.stop()
+
+        app = FastAPI(title="llmsplit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.get("/v1/models")(self.list_models)
+        app.get("/v1/models/{model_id:path}")(self.get_model)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat)
+        for kind, convert in _ERRORS.items():
+            app.exception_handler(kind)(_handler(convert))
+        app.add_middleware(_Gate, api_key=api_key, max_body=max_body, statuses=self.statuses)
+        return app
+
+    # ------------------------------------------------------------ routes
+
+    async def health(self):
+        return {"status": "ok", "model": self.name, **self.scheduler.counts()}
+
+    async def metrics(self):
+        c = self.scheduler.counts()
+        lines = []
+
+        def metric(name, kind, help_text, value, labels=""):
+            if not any(line.startswith(f"# TYPE llmsplit_{name} ") for line in lines):
+                lines.extend([f"# HELP llmsplit_{name} {help_text}", f"# TYPE llmsplit_{name} {kind}"])
+            lines.append(f"llmsplit_{name}{labels} {value}")
+
+        for status, n in sorted(self.statuses.items()):
+            metric("http_responses_total", "counter", "HTTP responses sent, by status code.", n, f'{{status="{status}"}}')
+        metric("requests_finished_total", "counter", "Generation requests answered in full.",
+               self.scheduler.finished_requests)
+        metric("requests_failed_total", "counter", "Generation requests failed by the engine or shutdown.",
+               self.scheduler.failed_requests)
+        metric("requests_running", "gauge", "Sequences in the running batch.", c["running"])
+        metric("requests_waiting", "gauge", "Sequences accepted and waiting for a batch slot (queue length).",
+               c["waiting"])
+        metric("kv_blocks_used", "gauge", "KV-cache blocks held by sequences.", c["kv_blocks_used"])
+        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool.", c["kv_blocks_total"])
+        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.engine.prompt_tokens)
+        metric("generated_tokens_total", "counter", "Tokens sampled.", self.engine.sampled_tokens)
+        metric("generated_tokens_per_second", "gauge", "Tokens sampled per second over the last 10 s.",
+               f"{self.scheduler.tokens_per_s():.3f}")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def list_models(self):
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model_id: str):
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        body.refuse_unsupported()
+        self._check_model(body.model)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
+            body.prompt[0], int) else [body.prompt]
+        ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for p in ids for t in p):
+            # Checked here: a bad id would fail the whole batch's step, not just this request.
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        params = self._params(body, body.max_tokens or 16, body.stops())  # 16: OpenAI's default
+        return await self._answer(request, ids, params, body, chat=False)
+
+    async def chat(self, body: ChatRequest, request: Request):
+        body.refuse_unsupported()
+        self._check_model(body.model)
+        ids, template_stops = chat_prompt([m.as_template_input() for m in body.messages], self.engine.tokenizer)
+        room = max(1, self.engine.max_context - len(ids))  # no limit given: up to the end of the context
+        params = self._params(body, body.max_completion_tokens or body.max_tokens or room,
+                              body.stops() + template_stops)
+        return await self._answer(request, [ids], params, body, chat=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "llmsplit",
+                "max_model_len": self.engine.max_context}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r}", "model",
+                           code="model_not_found")
+
+    @staticmethod
+    def _params(body, max_tokens: int, stops: list[str]) -> SamplingParams:
+        params = SamplingParams(max_tokens, body.temperature, body.top_k, None if body.top_p >= 1 else body.top_p,
+                                body.seed, stops, body.ignore_eos)
+        params.check()
+        return params
+
+    async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool):
+        channel = _Channel(asyncio.get_running_loop())
+        seqs = [self.engine.new_sequence(p, params) for p in ids]
+        if body.stream:
+            for i, seq in enumerate(seqs):
+                seq.on_text = lambda piece, i=i: channel.put(("text", i, piece))
+        work = Work(seqs, channel.put)
+        self.scheduler.submit(work)
+        reply = _Reply(self.name, chat, seqs)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(work, channel, reply, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        # Watch the connection while waiting: a client that gives up must not keep its blocks.
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        pending = len(seqs)
+        try:
+            while pending:
+                event = asyncio.ensure_future(channel.queue.get())
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    return None  # nobody to answer; `finally` frees the blocks
+                if event.result()[0] == "error":
+                    pending = 0
+                    raise APIError(503, event.result()[1], type="server_error")
+                pending -= 1
+        finally:
+            gone.cancel()
+            if pending:
+                self.scheduler.cancel(work)
+        return reply.whole()
+
+    async def _stream(self, work: Work, channel: _Channel, reply: "_Reply", include_usage: bool):
+        pending = len(work.seqs)
+        try:
+            if reply.chat:
+                yield _sse(reply.chunk(0, role=True))
+            while pending:
+                event = await channel.queue.get()
+                if event[0] == "text":
+                    yield _sse(reply.chunk(event[1], text=event[2]))
+                elif event[0] == "finish":
+                    pending -= 1
+                    yield _sse(reply.chunk(event[1], finish=event[2].finish_reason))
+                else:
+                    pending = 0
+                    yield _sse(APIError(503, event[1], type="server_error").body())
+                    break
+            if include_usage:
+                yield _sse(reply.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            if pending:  # the client went away mid-stream (this generator was cancelled)
+                self.scheduler.cancel(work)
+
+
+class _Reply:
+    """OpenAI's response and stream-chunk objects for one request."""
+
+    def __init__(self, model: str, chat: bool, seqs):
+        self.model, self.chat, self.seqs = model, chat, seqs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict:
+        prompt = sum(len(s.prompt) for s in self.seqs)
+        completion = sum(len(s.tokens) for s in self.seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
+                        "logprobs": None, "finish_reason": s.finish_reason} for i, s in enumerate(self.seqs)]
+        else:
+            choices = [{"index": i, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason}
+                       for i, s in enumerate(self.seqs)]
+        return {**self._head(False), "choices": choices, "usage": self.usage()}
+
+    def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self) -> dict:
+        return {**self._head(True), "choices": [], "usage": self.usage()}
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _handler(convert):
+    async def handle(request, exc) -> JSONResponse:
+        err = convert(exc)
+        return JSONResponse(err.body(), status_code=err.status, headers={k: str(v) for k, v in err.headers.items()})
+
+    return handle
+
+
+def _validation_error(e: RequestValidationError) -> APIError:
+    first = e.errors()[0]
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({first.get('msg')})")
+    if not where:
+        return APIError(400, f"the request body must be a JSON object ({first.get('msg')})")
+    param = ".".join(where)
+    return APIError(400, f"{param}: {first.get('msg')}", param)
+
+
+# Every failure a request can meet, as the OpenAI error it is answered with.
+_ERRORS = {
+    APIError: lambda e: e,
+    RequestValidationError: lambda e: _validation_error(e),
+    ConfigError: lambda e: APIError(400, str(e)),
+    TemplateError: lambda e: APIError(400, str(e), "messages"),
+    QueueFull: lambda e: APIError(429, f"the server is busy ({e}); retry after {RETRY_AFTER_S} s", code="queue_full",
+                                  type="rate_limit_error", headers={"Retry-After": RETRY_AFTER_S}),
+    StarletteHTTPException: lambda e: APIError(e.status_code, str(e.detail),
+                                               type="invalid_request_error" if e.status_code < 500 else "server_error"),
+    Exception: lambda e: APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"),
+}
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the server starts so that --port 0 can say its port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, api_key: str | None = None,
+          max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, **load_kwargs) -> None:
+    """Load the model (`llmsplit.load` arguments in load_kwargs) and serve it until SIGTERM/Ctrl-C."""
+    from .api import load
+
+    sock = bind(host, port)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn drains on SIGTERM, then re-raises it; exiting through SystemExit instead of
+        # the default kill lets `finally` stop the tp/pp workers, which would otherwise be orphaned.
+        previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        model = load(model_path, **load_kwargs)
+        try:
+            name = name or _default_name(model_path)
+            where = sock.getsockname()
+            url_host = f"[{where[0]}]" if ":" in where[0] else where[0]
+            server = Server(model, name, max_queue, api_key, max_body,
+                            announce=f"llmsplit: serving {name!r} at http://{url_host}:{where[1]}/v1 "
+                                     f"(SIGTERM or Ctrl-C to stop)")
+            config = uvicorn.Config(server.app, log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=drain_timeout)
+            try:
+                uvicorn.Server(config).run(sockets=[sock])
+            finally:
+                print(f"llmsplit: stopped after answering {server.scheduler.finished_requests} requests",
+                      file=sys.stderr, flush=True)
+        finally:
+            model.close()
+    finally:
+        sock.close()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
+
+
+def _default_name(model_path) -> str:
+    from pathlib import Path
+
+    path = Path(model_path).resolve()
+    return path.stem if path.is_file() else path.name

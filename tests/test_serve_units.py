@@ -1,0 +1,163 @@
+"""The pieces under `llmsplit serve`, without HTTP: the engine admitting sequences into a
+running batch between steps, the scheduler's accounting (queue bound, cancel, exactly one
+outcome per request), and chat templates from tokenizer files and GGUF metadata."""
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("jinja2")
+
+import llmsplit  # noqa: E402
+from hf_models import make_hf_folder  # noqa: E402
+from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
+from llmsplit.infer.engine import SamplingParams  # noqa: E402
+from llmsplit.infer.scheduler import QueueFull, Request, Scheduler  # noqa: E402
+from llmsplit.io.tokenizer import ByteTokenizer, read_chat_template  # noqa: E402
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_folder(tmp_path_factory.mktemp("serve_units") / "llama", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    m = llmsplit.load(folder, max_batch=3, max_context=64)
+    yield m
+    m.close()
+
+
+def alone(m, prompt: str, n: int) -> list[int]:
+    seq = m.engine.new_sequence(m.tokenizer.encode(prompt), SamplingParams(n, ignore_eos=True))
+    m.engine.generate([seq])
+    return seq.tokens
+
+
+def test_a_sequence_joins_a_running_batch_and_leaves_on_its_own(model):
+    e = model.engine
+    p = SamplingParams(12, ignore_eos=True)
+    first = e.new_sequence(model.tokenizer.encode("The def statement"), p)
+    e.add(first)
+    for _ in range(4):
+        e.step()
+    late = e.new_sequence(model.tokenizer.encode("A class"), SamplingParams(5, ignore_eos=True))
+    e.add(late)
+    finished = e.step()  # the late one is prefilled and decoded in this very step, next to `first`
+    assert e.running == [first, late] and not finished
+    done = []
+    while e.busy:
+        done += e.step()
+    assert done == [late, first]  # the shorter request left first, without waiting for the batch
+    assert e.pool.free_blocks == e.pool.num_blocks
+    # Sharing the batch at other positions changes no token.
+    assert first.tokens == alone(model, "The def statement", 12)
+    assert late.tokens == alone(model, "A class", 5)
+
+
+def test_abort_returns_blocks_wherever_the_sequence_is(model):
+    e = model.engine
+    p = SamplingParams(40, ignore_eos=True)
+    seqs = [e.new_sequence(model.tokenizer.encode(f"prompt {i}"), p) for i in range(5)]
+    for s in seqs:
+        e.add(s)
+    e.step()
+    assert len(e.running) == 3 and len(e.waiting) == 2  # max_batch 3
+    e.abort(seqs[0])  # running
+    e.abort(seqs[4])  # waiting
+    assert seqs[0].finish_reason == "abort" and seqs[4] not in e.waiting
+    while e.busy:
+        e.step()
+    assert [len(s.tokens) for s in seqs[1:4]] == [40, 40, 40]
+    assert e.pool.free_blocks == e.pool.num_blocks
+
+
+def test_scheduler_bounds_the_queue_and_answers_each_request_once(model):
+    sched = Scheduler(model.engine, max_queue=2)
+    events, lock = [], threading.Lock()
+
+    def request(n):
+        seq = model.engine.new_sequence(model.tokenizer.encode("x = 1"), SamplingParams(n, ignore_eos=True))
+        req = Request([seq], lambda ev, seq=seq: (lock.acquire(), events.append((seq.id, ev[0])), lock.release()))
+        return req, seq
+
+    reqs = [request(30) for _ in range(5)]  # 3 run + 2 wait: the most this scheduler holds
+    for r, _ in reqs:
+        sched.submit(r)
+    with pytest.raises(QueueFull):
+        sched.submit(request(30)[0])
+    sched.cancel(reqs[4][0])  # still in the inbox or already waiting: either way it leaves
+    sched.start()
+    sched.cancel(reqs[0][0])
+    deadline = time.monotonic() + 60
+    while sched.counts()["running"] + sched.counts()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sched.stop()
+    ids = [s.id for _, s in reqs]
+    outcomes = {i: [ev for sid, ev in events if sid == i] for i in ids}
+    assert all(outcomes[i] == ["finish"] for i in ids[1:4]), outcomes
+    assert all(len(s.tokens) == 30 for _, s in reqs[1:4])
+    assert outcomes[ids[4]] == [] and outcomes[ids[0]] in ([], ["finish"])  # a cancelled request hears nothing more
+    assert sched.counts() == {"running": 0, "waiting": 0, "kv_blocks_used": 0,
+                              "kv_blocks_total": model.engine.pool.num_blocks}
+
+
+def test_stop_fails_what_is_in_flight_and_frees_it(model):
+    sched = Scheduler(model.engine, max_queue=4)
+    got = []
+    seq = model.engine.new_sequence(model.tokenizer.encode("x"), SamplingParams(60, ignore_eos=True))
+    sched.start()
+    sched.submit(Request([seq], got.append))
+    while not seq.tokens:
+        time.sleep(0.01)
+    sched.stop()
+    assert got == [("error", "the server is shutting down")]
+    assert model.engine.pool.free_blocks == model.engine.pool.num_blocks and not model.engine.busy
+    with pytest.raises(QueueFull):
+        sched.submit(Request([seq], got.append))
+
+
+def test_chat_template_from_the_tokenizer_files(folder, tmp_path):
+    from llmsplit.io.hf import HFWeights
+
+    assert HFWeights(folder).tokenizer.chat_template is None
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"name": "default", "template": "T"}]}')
+    assert read_chat_template(tmp_path) == "T"
+    (tmp_path / "chat_template.jinja").write_text(CHATML)  # newer transformers write this file instead
+    assert read_chat_template(tmp_path) == CHATML
+    tok = HFWeights(folder).tokenizer
+    tok.chat_template = CHATML
+    ids, stops = chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tok)
+    assert ids == tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert stops == []  # the template's own end-of-turn token ends the reply
+
+
+def test_chat_template_from_gguf_metadata(folder, tmp_path):
+    import json
+
+    from llmsplit.io.gguf import gguf_tokenizer
+
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    meta = {"tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": [t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])],
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    tok = gguf_tokenizer(lambda key, default=None: meta.get(key, default), tmp_path / "m.gguf")
+    ids, _ = chat_prompt([{"role": "user", "content": "Hi"}], tok)
+    assert ids == [0, *tok.encode("[Hi]")[1:]]  # one BOS, not the template's plus the tokenizer's
+
+
+def test_default_chat_template_and_template_errors():
+    tok = ByteTokenizer()
+    ids, stops = chat_prompt([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], tok)
+    assert tok.decode(ids) == "System: S\n\nUser: Hi\n\nAssistant:" and stops == DEFAULT_STOP
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    with pytest.raises(TemplateError, match="first must be user"):
+        chat_prompt([{"role": "assistant", "content": "x"}], tok)
