@@ -13,9 +13,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import ddp, infer
+from . import ddp, infer, serve
 
-BENCHMARKS = {"ddp": ddp, "infer": infer}
+BENCHMARKS = {"ddp": ddp, "infer": infer, "serve": serve}
 
 
 def machine() -> str:

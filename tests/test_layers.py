@@ -9,7 +9,7 @@ PKG = Path(__file__).parent.parent / "src" / "llmsplit"
 FORBIDDEN = {
     "models": {"config", "io", "data", "parallel", "train", "infer", "plan", "diagnose", "cli", "launch"},
     "parallel": {"train", "infer", "cli", "launch", "io", "data", "plan"},
-    "train": {"infer", "cli", "launch"},
+    "train": {"infer", "cli", "launch", "plan", "diagnose"},
     "infer": {"train", "cli"},  # infer may start workers through launch.py
     "plan": {"train", "infer", "cli", "launch", "parallel", "data", "io"},
     "io": {"train", "infer", "cli", "launch", "parallel"},

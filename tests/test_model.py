@@ -76,8 +76,6 @@ def test_init_is_independent_of_build_device_and_repeatable():
 
 def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
     """A DTensor parameter sharded over a 1-rank mesh keeps exactly the full tensor's slice."""
-    import os
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -1,6 +1,5 @@
 """Tensor-parallel modules and pipeline stage splitting, below the command line."""
 
-import os
 
 import pytest
 import torch

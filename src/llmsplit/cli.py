@@ -53,7 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="restart the workers up to K times after a failure, resuming from the newest checkpoint")
     t.add_argument("--resume", default="none", metavar="auto|none|PATH",
                    help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint")
-    t.add_argument("--auto", action="store_true", help="let the planner choose the layout")
+    t.add_argument("--auto", action="store_true",
+                   help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
+    t.add_argument("--profile", type=int, metavar="STEPS", help="trace STEPS steps with torch.profiler into "
+                   "RUN_DIR/profile/ and print each rank's compute / communication / idle time")
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="load a model split across devices and generate text",
@@ -82,6 +85,36 @@ def _parser() -> argparse.ArgumentParser:
                    "the model's, at most 4096)")
     g.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
+                        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
+                                    "\"stream\": true), GET /health and GET /metrics, batching all live requests "
+                                    "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
+                                    "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
+                                    "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
+    sv.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    sv.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
+    sv.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
+                    "file name)")
+    sv.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8); "
+                    "the KV cache holds N full contexts")
+    sv.add_argument("--max-queue", type=int, default=64, metavar="N",
+                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
+    sv.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
+    sv.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE")
+    sv.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
+    sv.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
+    sv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
+    sv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
+    sv.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
+    sv.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence (default the model's, at most "
+                    "4096)")
+    sv.set_defaults(func=cmd_serve)
 
     pr = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
                         description="A .jsonl file gives one document per line (its \"text\" field); "
@@ -140,10 +173,11 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     from .config import load_config, model_config, record_model_sizes, to_toml, validate
     from .data.corpus import check_source
-    from .io.run_dir import CONFIG_FILE, METRICS_FILE, resolve_checkpoint
+    from .io.run_dir import CONFIG_FILE, METRICS_FILE, checkpoint_dir, newest_checkpoint, resolve_checkpoint
     from .io.tokenizer import load_tokenizer
-    from .launch import LaunchError, default_nproc, launch, under_torchrun
-    from .train.trainer import default_run_dir, run_worker
+    from .launch import LaunchError, check_master_addr, default_nproc, launch, under_torchrun
+    from .train.limits import MemoryLimitExceeded
+    from .train.entry import default_run_dir, run_worker
 
     torchrun = under_torchrun()
     if args.nproc is not None and args.nproc < 1:
@@ -152,18 +186,17 @@ def cmd_train(args) -> int:
         raise ConfigError(f"--node-rank {args.node_rank} must be between 0 and --nnodes - 1 = {args.nnodes - 1}")
     if args.nnodes > 1 and args.master_port is None:
         raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
+    if args.nnodes > 1 and not torchrun:
+        check_master_addr(args.master_addr, args.master_port)
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be 0 or more")
-    if args.auto:
-        raise ConfigError("--auto needs the layout planner, which is not available in this release; "
-                          "set the [parallel] keys instead")
     run_dir = Path(args.run_dir) if args.run_dir else None
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
     if args.resume == "auto" and run_dir is None:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
-    if args.resume not in ("auto", "none"):
-        resolve_checkpoint(args.resume)
+    # A damaged or missing checkpoint is refused here, before any worker starts.
+    resume_from = resolve_checkpoint(args.resume)[1] if args.resume not in ("auto", "none") else None
     config_path, sets = args.config, list(args.set)
     if config_path is None and args.resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
         # Continue a run with its own config; the data-parallel degree follows the new
@@ -173,32 +206,125 @@ def cmd_train(args) -> int:
         raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
                           f"or choose another --run-dir")
 
+    if args.profile is not None:
+        if args.profile < 1:
+            raise ConfigError(f"--profile {args.profile} must be at least 1 (steps to trace)")
+        sets.append(f"train.profile_steps={args.profile}")
     cfg = load_config(config_path, sets)
+    if cfg.model.hf:
+        _use_pretrained_sizes(cfg)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or default_nproc()) * args.nnodes
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_source(cfg.data.source)
     model_cfg = model_config(cfg, tokenizer.vocab_size)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else args.nproc or default_nproc()
+    if args.auto:
+        cfg = _apply_auto(cfg, model_cfg, world, per_node)
     validate(cfg, world, model_cfg, tokenizer.vocab_size)
     record_model_sizes(cfg, model_cfg)
+    if args.resume == "auto":
+        resume_from = newest_checkpoint(checkpoint_dir(cfg, run_dir))[0]  # the workers warn about skipped ones
+    if resume_from is not None:
+        from .train.checkpoint import check_fits
+
+        check_fits(resume_from, model_cfg)
     config_text = to_toml(cfg)
 
     if torchrun:
-        run_worker(config_text, str(run_dir) if run_dir else None, args.resume)
+        # Every rank proposes a run folder and rank 0's is taken, so rank 0 knows where it is.
+        run_dir = run_dir or default_run_dir(cfg.model.preset)
+        try:
+            summary = run_worker(config_text, str(run_dir), args.resume)
+        except MemoryLimitExceeded as e:
+            if int(os.environ["RANK"]) == 0:
+                _explain_oom(str(e), cfg, model_cfg, world, per_node)
+            return 1
+        if summary is not None:  # rank 0
+            _plan_check(run_dir, cfg, model_cfg, world, per_node)
         return 0
     if run_dir is None and args.nnodes == 1:
-        run_dir = default_run_dir(cfg)
+        run_dir = default_run_dir(cfg.model.preset)
     nproc = args.nproc or default_nproc()
     print(f"llmsplit: training on {world} worker(s) ({nproc} on this machine); run dir "
           f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
     try:
         launch(run_worker, (config_text, str(run_dir) if run_dir else None, args.resume), nproc=nproc,
                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-               master_port=args.master_port, max_restarts=args.max_restarts)
+               master_port=args.master_port, max_restarts=args.max_restarts, timeout_s=cfg.train.timeout_s)
     except LaunchError as e:
-        print(f"llmsplit: training failed: {e}\nhint: the worker's traceback is printed above; "
-              f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint", file=sys.stderr)
+        if _explain_oom(str(e), cfg, model_cfg, world, per_node):
+            return 1
+        hint = e.hint or (f"the worker's traceback is printed above; `--resume auto --run-dir {run_dir}` "
+                          f"continues from the newest checkpoint")
+        print(f"llmsplit: training failed: {e}\nhint: {hint}", file=sys.stderr)
         return 1
+    if run_dir is not None and args.node_rank == 0:  # node 0 holds rank 0, which wrote the summary
+        _plan_check(run_dir, cfg, model_cfg, world, per_node)
     return 0
+
+
+def _apply_auto(cfg, model_cfg, world: int, per_node: int):
+    """`--auto`: the planner's fastest runnable layout for these devices replaces the config's."""
+    from .plan.api import auto_config
+    from .plan.hardware import local_device
+
+    device = local_device(per_node)
+    cfg, best = auto_config(cfg, model_cfg, world, device)
+    lay = best["layout"]
+    keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
+    if lay["pp"] > 1:
+        keys.insert(4, "pp_schedule")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"llmsplit: --auto chose {' '.join(f'{k}={lay[k]}' for k in keys)} for {world} × {device.name} "
+              f"(predicted {best['memory_per_device']['total'] / 2**20:.0f} MiB per device, "
+              f"{best['tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
+    return cfg
+
+
+def _explain_oom(message: str, cfg, model_cfg, world: int, per_node: int) -> bool:
+    """A failure that is an out-of-memory stop: print the planner's explanation (True)."""
+    from .train.limits import parse_oom
+
+    failure = parse_oom(message)
+    if failure is None:
+        return False
+    from .diagnose.oom import explain_oom
+    from .plan.hardware import local_device
+
+    report = explain_oom(cfg, model_cfg, world, local_device(per_node), failure)
+    print(f"llmsplit: training failed: {report['text']}\nhint: apply one of the changes above with --set "
+          f"(or raise memory.limit_bytes)", file=sys.stderr)
+    return True
+
+
+def _plan_check(run_dir, cfg, model_cfg, world: int, per_node: int) -> None:
+    """Record the planner's prediction next to what the run measured; warn when they differ."""
+    from .diagnose.plan_check import check_run
+    from .plan.hardware import local_device
+
+    check = check_run(run_dir, cfg, model_cfg, world, local_device(per_node))
+    for warning in (check or {}).get("warnings", []):
+        print(f"llmsplit: warning: {warning} (the plan is off for this layout; plan_check in summary.json)",
+              file=sys.stderr)
+
+
+def _use_pretrained_sizes(cfg) -> None:
+    """`model.hf`: the model's sizes come from the folder's config.json (explicit size keys
+    would contradict the weights) and, unless one is named, its tokenizer is the folder's."""
+    from dataclasses import fields
+
+    from .config import record_model_sizes
+    from .io.hf import HFWeights
+
+    hf = HFWeights(cfg.model.hf)  # reads only config.json and the safetensors headers
+    for f in fields(cfg.model):
+        if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
+                and getattr(cfg.model, f.name) != getattr(hf.config, f.name):
+            raise ConfigError(f"model.{f.name} cannot be set together with model.hf (the folder's config.json "
+                              f"says {getattr(hf.config, f.name)}); remove model.{f.name}")
+    record_model_sizes(cfg, hf.config)
+    if cfg.data.tokenizer == "byte":
+        cfg.data.tokenizer = str(cfg.model.hf)
 
 
 # ---------------------------------------------------------------- generate
@@ -231,6 +357,24 @@ def cmd_generate(args) -> int:
     if not args.stream:
         sys.stdout.write(text)
     sys.stdout.write("\n")
+    return 0
+
+
+# ---------------------------------------------------------------- serve
+
+def cmd_serve(args) -> int:
+    from .infer.placement import parse_size
+
+    try:
+        from .infer.server import serve
+    except ImportError as e:
+        raise ConfigError(f"llmsplit serve needs the [serve] extra ({e.name} is missing): "
+                          f"pip install 'llmsplit[serve]'") from None
+    serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
+          max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
+          drain_timeout=args.drain_timeout, device_map=args.device_map, max_memory=args.max_memory,
+          offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=args.max_batch,
+          max_context=args.max_context)
     return 0
 
 

@@ -39,6 +39,7 @@ class ModelSection:
     rope_theta: float | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
+    qkv_bias: bool | None = None
 
 
 @dataclass
@@ -64,6 +65,8 @@ class TrainSection:
     deterministic: bool = False
     log_every: int = 1
     compile: bool = False
+    timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
+    profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
 
 
 @dataclass
@@ -84,6 +87,9 @@ class MemorySection:
     activation_checkpoint: str = "none"
     offload: str = "none"
     offload_dir: str | None = None
+    # Peak bytes a rank may use (CPU: the process's resident peak); above it the run stops
+    # with the planner's explanation. Unset: the device's own memory is the limit.
+    limit_bytes: int | None = None
 
 
 @dataclass
@@ -117,7 +123,6 @@ CHOICES = {
 # Keys whose features later releases deliver; refusing them here is more honest than
 # silently training something else.
 NOT_YET = {
-    "model.hf": (None, "loading Hugging Face folders is not available in this version; remove model.hf"),
     "model.gguf": (None, "loading GGUF files is not available in this version; remove model.gguf"),
 }
 
@@ -257,10 +262,15 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     _at_least(cfg, "data.seq_len", 2)
     _at_least(cfg, "checkpoint.every", 0)
     _at_least(cfg, "checkpoint.keep", 1)
+    _at_least(cfg, "train.profile_steps", 0)
+    if mem.limit_bytes is not None:
+        _at_least(cfg, "memory.limit_bytes", 1)
     _at_least(cfg, "parallel.dp_replicate", 1)
     _at_least(cfg, "parallel.pp_virtual_stages", 1)
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be greater than 0")
+    if not t.timeout_s > 0:
+        raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if par.zero not in (0, 1, 2, 3):

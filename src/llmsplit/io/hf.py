@@ -176,6 +176,13 @@ class HFWeights:
         key[dim] = slice(index * step, (index + 1) * step)
         return sl[tuple(key)]
 
+    def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The block [offsets, offsets + sizes) of tensor `name`, read without the rest (how
+        a rank of a sharded training layout loads only its shard)."""
+        fname, hf_name = self._where[self._resolve(name)]
+        sl = self._files[fname].get_slice(hf_name)
+        return sl[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
     def _resolve(self, name: str) -> str:
         if name == "output.weight" and name not in self._where:
             return "tok_embeddings.weight"  # tied: the head is the embedding
@@ -197,12 +204,14 @@ def expected_names(cfg: LlamaConfig) -> list[str]:
 
 
 def _folder_tokenizer(folder: Path):
-    from .tokenizer import load_tokenizer
+    from .tokenizer import load_tokenizer, read_chat_template
 
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"{str(folder)!r} has no tokenizer.json; save the tokenizer next to the weights "
                           f"(tokenizer.save_pretrained)")
-    return load_tokenizer(str(folder / "tokenizer.json"), key="tokenizer")
+    tok = load_tokenizer(str(folder / "tokenizer.json"), key="tokenizer")
+    tok.chat_template = read_chat_template(folder)
+    return tok
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -149,6 +149,11 @@ def _runnable(source, name, model, layout: Layout, work: Workload, world: int) -
     return True
 
 
+def runnable(cfg: Config, model_cfg: LlamaConfig, layout: Layout, world: int) -> bool:
+    """Does `llmsplit train` accept this training config with `layout` instead of its own?"""
+    return _runnable(cfg, "custom", model_cfg, layout, workload_of_config(cfg), world)
+
+
 def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.toml", **kwargs) -> tuple[Path, dict]:
     """Write the fastest fitting layout that `llmsplit train` runs as a TOML file."""
     report = plan_report(model, gpus, gpu, **kwargs)
@@ -169,23 +174,53 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
 
 # ---------------------------------------------------------------- the trainer's self-check
 
-def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, gpu: str = "cpu") -> dict:
+def layout_of_config(cfg: Config, world_size: int) -> Layout:
+    """The layout a training config runs (sequence parallel left to its default when the
+    config has the default, so that changing tp keeps the default)."""
+    par, mem = cfg.parallel, cfg.memory
+    dp = par.dp if par.dp > 0 else world_size // (par.tp * par.pp)
+    sp = None if par.sequence_parallel in (None, par.tp > 1) else par.sequence_parallel
+    return Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp,
+                  sequence_parallel=sp, pp=par.pp, pp_schedule=par.pp_schedule,
+                  pp_virtual_stages=par.pp_virtual_stages, pp_microbatches=par.pp_microbatches,
+                  micro_batch=cfg.train.micro_batch, activation_checkpoint=mem.activation_checkpoint,
+                  offload=mem.offload)
+
+
+def workload_of_config(cfg: Config) -> Workload:
+    return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision)
+
+
+def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, gpu: str | Device = "cpu",
+                       workers_per_node: int | None = None) -> dict:
     """The plan's prediction for one resolved training config: memory per device term by
     term (the fullest pipeline stage), step time, tokens/s and MFU. For `llmsplit train`
     to record next to what it measured."""
-    par, mem = cfg.parallel, cfg.memory
-    dp = par.dp if par.dp > 0 else world_size // (par.tp * par.pp)
-    layout = Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp,
-                    sequence_parallel=par.sequence_parallel, pp=par.pp, pp_schedule=par.pp_schedule,
-                    pp_virtual_stages=par.pp_virtual_stages, pp_microbatches=par.pp_microbatches,
-                    micro_batch=cfg.train.micro_batch, activation_checkpoint=mem.activation_checkpoint,
-                    offload=mem.offload)
-    work = Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision)
+    layout, work = layout_of_config(cfg, world_size), workload_of_config(cfg)
     check_layout(model_cfg, layout, work, world_size)
-    device = get_device(gpu, workers_per_node=world_size)
+    device = get_device(gpu, workers_per_node=workers_per_node or world_size)
     cand = evaluate(model_cfg, layout, work, device)
     mem_bd = cand.memory
     return {"gpu": device.name, "layout": layout.to_dict(), "fits": cand.fits,
             "memory_per_device": mem_bd.to_dict(), "model_state_bytes": mem_bd.params + mem_bd.grads + mem_bd.optimizer,
             "host_bytes_per_device": mem_bd.host, "stage": mem_bd.stage,
             "step_time_s": cand.cost.step_time_s, "tokens_per_s": cand.cost.tokens_per_s, "mfu": cand.cost.mfu}
+
+
+# ---------------------------------------------------------------- llmsplit train --auto
+
+def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: Device) -> tuple[Config, dict]:
+    """`cfg` with the [parallel]/[memory] keys and train.micro_batch of the fastest layout
+    that fits `device` (within memory.limit_bytes when set) and that `llmsplit train` runs,
+    and that layout's plan entry."""
+    if cfg.memory.limit_bytes is not None:
+        device = replace(device, memory_bytes=min(device.memory_bytes, cfg.memory.limit_bytes))
+    work = workload_of_config(cfg)
+    result = search(model_cfg, work, world_size, device,
+                    runnable=lambda lay: _runnable(cfg, "custom", model_cfg, lay, work, world_size))
+    if not result["runnable"]:
+        raise ConfigError(f"--auto: no layout that llmsplit train runs fits {world_size} × {device.name}; "
+                          f"{result['advice'] or 'see llmsplit plan for the reasons'}")
+    best = result["runnable"][0]
+    chosen = layout_config(cfg, "custom", model_cfg, best.layout, work)
+    return chosen, best.to_dict()

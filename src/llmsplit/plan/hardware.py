@@ -85,14 +85,39 @@ def known_devices() -> list[str]:
     return [*CATALOGUE, "cpu"]
 
 
-def get_device(name: str, workers_per_node: int = 1) -> Device:
-    """A catalogue entry, or the measured CPU with its memory shared by the local workers."""
+def get_device(name: str | Device, workers_per_node: int = 1) -> Device:
+    """A catalogue entry, or the measured CPU with its memory shared by the local workers
+    (a Device is taken as it is: `local_device` builds one for an unlisted GPU)."""
+    if isinstance(name, Device):
+        return name
     if name.lower() == "cpu":
         return cpu_device(workers_per_node)
     for key, dev in CATALOGUE.items():
         if key.lower() == name.lower():
             return dev
     raise ConfigError(f"--gpu {name!r} is not a known device; known: {', '.join(known_devices())}")
+
+
+def local_device(workers_per_node: int = 1) -> Device:
+    """The device this machine trains on: `cpu` without CUDA; with CUDA the catalogue entry
+    named like torch's device name (e.g. "NVIDIA H100 80GB HBM3" → H100-80GB) and closest in
+    memory, or, for a GPU the catalogue does not list, the entry closest in memory with
+    this GPU's name and measured memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return cpu_device(workers_per_node)
+    props = torch.cuda.get_device_properties(0)
+    total, label = props.total_memory, props.name.upper().replace(" ", "")
+
+    def distance(dev: Device) -> float:
+        return abs(dev.memory_bytes - total)
+
+    named = [d for d in CATALOGUE.values() if d.name.split("-")[0].upper() in label]
+    if named:
+        return min(named, key=distance)
+    nearest = min(CATALOGUE.values(), key=distance)
+    return replace(nearest, name=props.name, memory_bytes=total)
 
 
 # ---------------------------------------------------------------- the measured CPU

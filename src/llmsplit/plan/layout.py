@@ -99,7 +99,7 @@ def check_layout(cfg: LlamaConfig, layout: Layout, work: Workload, world: int | 
     if layout.dp_replicate > 1 and layout.zero < 2:
         raise ConfigError(f"layout dp_replicate={layout.dp_replicate} (hybrid sharding) needs zero=2 or 3")
     if layout.offload == "cpu" and layout.zero < 2:
-        raise ConfigError(f"layout offload='cpu' moves FSDP's sharded state to the host and needs zero=2 or 3")
+        raise ConfigError("layout offload='cpu' moves FSDP's sharded state to the host and needs zero=2 or 3")
     if work.mode == "train":
         if work.global_batch % (layout.dp * layout.micro_batch):
             raise ConfigError(f"global batch {work.global_batch} is not divisible by dp × micro_batch = "

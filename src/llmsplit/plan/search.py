@@ -166,14 +166,14 @@ def explain(cfg: LlamaConfig, cand: Candidate, work: Workload, device: Device, a
         name, value = max(terms.items(), key=lambda kv: kv[1])
         rest = mem.total - value
         reason = f"{name} {_gib(value)} > {_gib(budget)} − {_gib(rest)} of everything else"
-    fixes = [f for f in _single_changes(cand.layout, cfg, work, device)
+    fixes = [f for f in single_changes(cand.layout, cfg, work, device)
              if fits(memory_per_device(cfg, f[1], work, device), device)]
     if fixes:
         return f"{reason}: use {' or '.join(text for text, _ in fixes[:2])}"
     return f"{reason}; {advice}" if advice else f"{reason}; no single change of this layout fits"
 
 
-def _single_changes(layout: Layout, cfg: LlamaConfig, work: Workload, device: Device):
+def single_changes(layout: Layout, cfg: LlamaConfig, work: Workload, device: Device):
     """Layouts one key away, cheapest in speed first."""
     out = []
     order = ["none", "selective", "full"]

@@ -15,26 +15,31 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..config import Config, config_from_toml, model_config, to_toml
 from ..data.corpus import load_tokens
 from ..data.loader import BatchSampler
-from ..io.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, checkpoint_dir, list_checkpoints, resolve_checkpoint
+from ..io.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, checkpoint_dir, newest_checkpoint, resolve_checkpoint
+from ..io.hf import HFWeights
 from ..io.tokenizer import load_tokenizer
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.data_parallel import allreduce_gradients, autocast_dtype, no_grad_sync
 from ..parallel.pipeline import bubble_fraction, build_schedule
 from ..parallel.mesh import Mesh, ParallelDims
+from .entry import default_run_dir
 from .checkpoint import load_checkpoint, save_checkpoint
+from .hangs import HangReporter
+from .init_from import load_pretrained
+from .limits import check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, reset_peak_memory, state_bytes
+from .profile import StepProfiler, report as profile_report
 from .progress import Progress, print_summary
 
 
@@ -54,20 +59,22 @@ def lr_at(step: int, cfg: Config) -> float:
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def default_run_dir(cfg: Config) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.model.preset}"
-
-
-def _setup_process_group() -> torch.device:
+def _setup_process_group(timeout_s: float) -> torch.device:
+    timeout = timedelta(seconds=timeout_s)
+    # The elastic agent keeps one store for the whole job (the static rendezvous reuses
+    # it after a restart), so a restarted worker could read an address its dead
+    # predecessor published and fail to connect. Keys are kept apart per attempt.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"llmsplit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    group = {"store": store, "rank": rank, "world_size": world, "timeout": timeout}
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **group)
     threads = int(os.environ.get("LLMSPLIT_THREADS", "0")) or max(
         1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(threads)
@@ -76,23 +83,31 @@ def _setup_process_group() -> torch.device:
 
 def _agree_on_run_dir(cfg: Config, run_dir: str | None) -> Path:
     """Rank 0 picks the run folder (a timestamp differs between machines) and tells the others."""
-    choice = [str(run_dir or default_run_dir(cfg))]
+    choice = [str(run_dir or default_run_dir(cfg.model.preset))]
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0])
 
 
-@record
-def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
-    """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
-    device = _setup_process_group()
+def train_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
+    """The work of one worker process (started through `train.entry.run_worker`)."""
+    cfg = config_from_toml(config_text)
+    device = _setup_process_group(cfg.train.timeout_s)
+    hangs = HangReporter(cfg.train.timeout_s)
     try:
-        return _train(config_text, run_dir, resume, device)
+        return _train(cfg, run_dir, resume, device, hangs)
+    except torch.OutOfMemoryError:
+        raise from_device_oom(cfg.memory.limit_bytes, device, hangs.where) from None
+    except RuntimeError as e:
+        explained = hangs.explain(e)
+        if explained is None:
+            raise
+        raise explained from None
     finally:
         dist.destroy_process_group()
 
 
-def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch.device) -> dict | None:
-    cfg = config_from_toml(config_text)
+def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.device,
+           hangs: HangReporter) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     rank0 = rank == 0
     if cfg.train.deterministic:
@@ -108,6 +123,8 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
 
     pm = build_parallel_model(model_cfg, cfg, mesh, device)
+    if cfg.model.hf:
+        load_pretrained(pm.model, HFWeights(cfg.model.hf))
     model, plain = pm.module, pm.model
     optimizer = build_optimizer(plain, cfg, mesh)
     sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
@@ -115,8 +132,9 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     ck_dir = checkpoint_dir(cfg, run_dir)
 
     start_step = 0
-    resume_from = _resume_source(resume, run_dir, ck_dir)
+    resume_from = _resume_source(resume, run_dir, ck_dir, rank0)
     if resume_from is not None:
+        hangs.where = f"loading {resume_from}"
         state = load_checkpoint(resume_from, plain, optimizer)
         start_step = state["step"]
         if rank0:
@@ -140,8 +158,11 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     history, held = [], None
     first_loss = None
 
+    profiler = StepProfiler(t.profile_steps, start_step, t.steps, run_dir, rank)
     reset_peak_memory(device)
     for step in range(start_step + 1, t.steps + 1):
+        hangs.where = f"step {step}"
+        profiler.begin(step)
         _maybe_inject_fault(rank, step)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -183,8 +204,10 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         dist.all_reduce(loss_sum, group=mesh.group("dp"))
         loss_value = loss_sum.item() / dp_size
         step_time = time.perf_counter() - t0
+        profiler.end(step)
         peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        check_memory_limit(cfg.memory.limit_bytes, device, step)
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                   "peak_mem_bytes": int(peak.item())}
@@ -196,8 +219,10 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         if rank0:
             progress.update(record)
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
+            hangs.where = f"saving the checkpoint of step {step}"
             save_checkpoint(ck_dir, step, plain, optimizer, _train_state(step, cfg, sampler), cfg.checkpoint.keep)
 
+    hangs.where = "the end of the run (final checkpoint, summary)"
     if start_step < t.steps:
         save_checkpoint(ck_dir, t.steps, plain, optimizer, _train_state(t.steps, cfg, sampler), cfg.checkpoint.keep)
     if held is None:
@@ -206,6 +231,7 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
     per_rank_info = {"rank": rank, "peak_mem_bytes": peak_memory_bytes(device), **held}
     if pipe is not None:
         per_rank_info["pipeline_busy_fraction"] = pipe.busy_fraction()
+    profile_rows = profiler.finish()
     gathered = [None] * world
     dist.all_gather_object(gathered, per_rank_info)
     if not rank0:
@@ -217,19 +243,30 @@ def _train(config_text: str, run_dir_arg: str | None, resume: str, device: torch
         summary["pipeline"] = pipe.report(gathered)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     print_summary(summary, run_dir, first_loss)
+    if profile_rows is not None:
+        profile_report(profile_rows, summary, run_dir)
     return summary
 
 
-def _resume_source(resume: str, run_dir: Path, ck_dir: Path) -> Path | None:
+def _resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path | None:
+    """The checkpoint to start from, chosen by rank 0 so that every rank loads the same one."""
     # A worker restarted by the elastic launcher after a crash resumes where it can.
     if resume == "none" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"
     if resume == "none":
         return None
-    if resume == "auto":
-        found = list_checkpoints(ck_dir)
-        return found[-1][1] if found else None
-    return resolve_checkpoint(resume)[1]
+    choice = [None]
+    if rank0 and resume == "auto":
+        newest, skipped = newest_checkpoint(ck_dir)
+        for path, why in skipped:
+            print(f"llmsplit: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+        if newest is None:
+            print(f"llmsplit: no checkpoint to resume from in {ck_dir}; starting at step 0", file=sys.stderr, flush=True)
+        choice = [newest and str(newest)]
+    elif rank0:
+        choice = [str(resolve_checkpoint(resume)[1])]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -276,9 +313,9 @@ def _last_logged_loss(run_dir: Path) -> float | None:
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
-    """`LLMSPLIT_FAULT=RANK:STEP[:kill]` makes that rank raise (or die by SIGKILL) at that
-    step of the first attempt: how the tests check failure reports and crash restarts
-    without waiting for a real crash."""
+    """`LLMSPLIT_FAULT=RANK:STEP[:kill|hang]` makes that rank raise (die by SIGKILL, or
+    stop answering) at that step of the first attempt: how the tests check failure
+    reports, crash restarts and hang reports without waiting for a real failure."""
     spec = os.environ.get("LLMSPLIT_FAULT", "")
     parts = spec.split(":")
     if len(parts) < 2 or parts[:2] != [str(rank), str(step)]:
@@ -287,6 +324,8 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
         return
     if parts[2:] == ["kill"]:
         os.kill(os.getpid(), signal.SIGKILL)
+    if parts[2:] == ["hang"]:
+        time.sleep(24 * 3600)  # until the launcher stops this worker after the others time out
     raise RuntimeError(f"fault injected by LLMSPLIT_FAULT={spec}")
 
 

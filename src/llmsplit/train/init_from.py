@@ -1,0 +1,49 @@
+"""Start training from pretrained weights (`model.hf`) instead of a random init.
+
+Each rank reads only the block of each tensor that it holds: for a sharded (DTensor)
+parameter the block is the shard's global offset and local shape, read straight from the
+memory-mapped safetensors file; no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..config import ConfigError
+
+
+def _clean(name: str) -> str:
+    # Wrappers (activation checkpointing, compile) add prefixes that the weights do not have.
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@torch.no_grad()
+def load_pretrained(model: torch.nn.Module, source) -> int:
+    """Copy `source`'s weights (an `io.weights` reader) into `model`'s parameters, shard
+    by shard. Returns the bytes read."""
+    read = 0
+    for name, p in model.named_parameters():
+        name = _clean(name)
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = p.to_local()
+            if local.numel() == 0:
+                continue
+            if not _is_block(local, shape):
+                raise ConfigError(f"cannot map the shard of {name} to one block of the pretrained tensor; "
+                                  f"use a layout without strided sharding for model.hf")
+            block = source.read_region(name, tuple(offset), tuple(shape))
+            local.copy_(block.to(local.dtype))
+        else:
+            block = source.read(name)
+            if tuple(block.shape) != tuple(p.shape):
+                raise ConfigError(f"pretrained {name} has shape {tuple(block.shape)}, the model {tuple(p.shape)}")
+            p.copy_(block.to(device=p.device, dtype=p.dtype))
+        read += block.numel() * block.element_size()
+    return read
+
+
+def _is_block(local: torch.Tensor, shape) -> bool:
+    return tuple(local.shape) == tuple(shape)

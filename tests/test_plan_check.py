@@ -1,0 +1,70 @@
+"""The planner against every run (summary.json's plan_check, a warning beyond 25%), and
+`llmsplit train --auto`, which runs the layout the planner picks for the local devices."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import TINY, train
+from llmsplit.config import load_config, model_config
+from llmsplit.diagnose.plan_check import compare
+from llmsplit.plan.api import auto_config
+from llmsplit.plan.hardware import CATALOGUE, get_device, local_device
+
+
+def _summary(state, peak):
+    return {"per_rank": [{"rank": 0, "param_bytes": state // 4, "grad_bytes": state // 4, "optim_bytes": state // 2,
+                          "peak_mem_bytes": peak},
+                         {"rank": 1, "param_bytes": 1, "grad_bytes": 1, "optim_bytes": 1, "peak_mem_bytes": 1}]}
+
+
+def _prediction(state, total):
+    return {"gpu": "cpu", "model_state_bytes": state, "host_bytes_per_device": 0,
+            "memory_per_device": {"total": total}}
+
+
+def test_compare_takes_the_fullest_rank_and_warns_beyond_25_percent():
+    cpu = get_device("cpu", 2)
+    close = compare(_summary(400, 1100), _prediction(400, 1000), cpu, "none")
+    assert close["measured_model_state_bytes"] == 400 and close["measured_peak_bytes"] == 1100
+    assert close["ratio_peak"] == pytest.approx(1.1) and close["warnings"] == []
+    off = compare(_summary(400, 1300), _prediction(400, 1000), cpu, "none")
+    assert len(off["warnings"]) == 1 and "peak memory" in off["warnings"][0]
+
+
+def test_compare_on_a_gpu_leaves_out_what_the_allocator_does_not_see():
+    gpu = CATALOGUE["H100-80GB"]
+    check = compare(_summary(400, 5000), _prediction(400, 5000 + gpu.runtime_bytes), gpu, "none")
+    assert check["predicted_peak_bytes"] == 5000 and check["warnings"] == []
+
+
+def test_local_device_names_the_catalogue_gpu(monkeypatch):
+    class Props:
+        name, total_memory = "NVIDIA H100 80GB HBM3", 85_000_000_000
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    assert local_device(8).name == "H100-80GB"
+    Props.name, Props.total_memory = "NVIDIA Future GPU", 100 * 2**30
+    unknown = local_device(8)
+    assert unknown.name == "NVIDIA Future GPU" and unknown.memory_bytes == 100 * 2**30
+
+
+@pytest.mark.slow
+def test_auto_runs_the_planners_layout_and_the_run_is_checked_against_the_plan(tmp_path):
+    proc = train(tmp_path / "run", *TINY, nproc=2, extra=("--auto",), timeout=240)
+    cfg = load_config(None, TINY)
+    want, best = auto_config(cfg, model_config(cfg, 258), 2, get_device("cpu", 2))
+    assert "--auto chose" in proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("dp", "zero", "tp", "pp"):
+        assert summary["layout"][key] == best["layout"][key], key
+    written = load_config(tmp_path / "run" / "config.toml")
+    assert written.train.micro_batch == best["layout"]["micro_batch"]
+    assert written.memory.activation_checkpoint == best["layout"]["activation_checkpoint"]
+    check = summary["plan_check"]
+    for key in ("predicted_model_state_bytes", "measured_model_state_bytes", "predicted_peak_bytes",
+                "measured_peak_bytes", "ratio_model_state", "ratio_peak"):
+        assert check[key] > 0, key
+    assert check["ratio_model_state"] == pytest.approx(1.0, rel=0.03)
