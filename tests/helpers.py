@@ -13,6 +13,27 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4", "train.warmup_steps=2"]
 
 
+# ~23M parameters, short sequences: model state (16 bytes a parameter under DDP) dominates
+# the peak, which is what the planner and OOM tests need to see.
+MEDIUM_TOML = """
+[model]
+preset = "tiny"
+dim = 512
+n_layers = 8
+n_heads = 8
+n_kv_heads = 4
+ffn_dim = 1376
+max_seq_len = 128
+[data]
+seq_len = 64
+[train]
+steps = 2
+global_batch = 8
+micro_batch = 2
+warmup_steps = 1
+"""
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 300, env: dict | None = None,
             input: str | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

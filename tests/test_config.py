@@ -71,13 +71,18 @@ BAD_CLI = [
 
 
 @pytest.mark.parametrize("args, fragment", BAD_CLI)
-def test_cli_refuses_bad_config_with_exit_2_before_any_worker(tmp_path, args, fragment):
+def test_cli_refuses_bad_config_with_exit_2_before_any_worker(tmp_path, capsys, args, fragment):
+    # In-process: the same main() the console script runs, without a new interpreter each time
+    # (test_cli_refuses_invalid_toml... below goes through a real subprocess).
+    from llmsplit.cli import main
+
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "--run-dir", str(run_dir), *args, check=False, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert fragment in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    code = main(["train", "--run-dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert fragment in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not run_dir.exists()  # nothing written
 
 

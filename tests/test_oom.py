@@ -14,25 +14,19 @@ from llmsplit.plan.hardware import get_device
 from llmsplit.plan.layout import Layout
 from llmsplit.train.limits import MemoryLimitExceeded, parse_oom
 
-# ~23M parameters, short sequences: model state (16 bytes a parameter under DDP) dominates.
+# The tiny model on long sequences: activations dominate, which the planner models to the
+# byte, so its suggestions are reliable. Measured on 2 CPU workers: ~590-640 MiB as is,
+# ~540 MiB with micro_batch=4 (~475 with 2); the limit lies between.
 CONFIG = """
-[model]
-dim = 512
-n_layers = 8
-n_heads = 8
-n_kv_heads = 4
-ffn_dim = 1376
-max_seq_len = 128
 [data]
-seq_len = 64
+seq_len = 256
 [train]
 steps = 2
-global_batch = 8
-micro_batch = 2
+global_batch = 16
+micro_batch = 8
 warmup_steps = 1
 """
-# Above the ~570 MiB that tp=2 or pp=2 peak at, below the ~850 MiB of DDP (zero 0).
-LIMIT = 640 * 2**20
+LIMIT = 580 * 2**20
 
 
 def _config(tmp_path):
@@ -60,11 +54,12 @@ def test_suggestions_fit_the_limit_and_scale_with_the_measurement(tmp_path):
     cfg = load_config(_config(tmp_path))
     model_cfg = model_config(cfg, 258)
     validate(cfg, 2, model_cfg, 258)
-    failure = {"rank": 0, "peak_bytes": 850 * 2**20, "limit_bytes": LIMIT, "source": "memory.limit_bytes",
+    failure = {"rank": 0, "peak_bytes": 620 * 2**20, "limit_bytes": LIMIT, "source": "memory.limit_bytes",
                "where": "step 1"}
     report = explain_oom(cfg, model_cfg, 2, get_device("cpu", 2), failure)
     assert 1 <= len(report["suggestions"]) <= 3
-    assert report["breakdown"]["total"] > LIMIT  # the planner agrees that DDP does not fit
+    # Calibrated by what the run measured, the planner agrees that the layout does not fit.
+    assert report["breakdown"]["total"] * report["scale"] > LIMIT
     assert "params" in report["text"] and "--set " in report["text"]
     # A run that measured far more than predicted leaves fewer (or no) changes that still fit.
     worse = explain_oom(cfg, model_cfg, 2, get_device("cpu", 2), {**failure, "peak_bytes": 1400 * 2**20})

@@ -5,29 +5,11 @@ import json
 
 import pytest
 
-from helpers import run_cli
+from helpers import MEDIUM_TOML, run_cli
 from llmsplit.config import load_config, model_config, validate
 from llmsplit.plan.api import predict_for_config
 
-CONFIG = """
-[model]
-preset = "tiny"
-dim = 512
-n_layers = 8
-n_heads = 8
-n_kv_heads = 4
-ffn_dim = 1376
-max_seq_len = 128
-[data]
-seq_len = 64
-[train]
-steps = 2
-global_batch = 8
-micro_batch = 2
-warmup_steps = 1
-[parallel]
-zero = 0
-"""
+CONFIG = MEDIUM_TOML + "[parallel]\nzero = 0\n"
 
 
 @pytest.mark.slow

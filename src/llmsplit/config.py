@@ -51,7 +51,7 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 200
+    steps: int = 120
     global_batch: int = 16
     micro_batch: int = 8
     lr: float = 3e-3

@@ -4,7 +4,7 @@ failed, against the limit it broke, and the smallest changes the planner says wo
 The planner's number for the failed layout is compared with the peak the run measured;
 when the run measured more, the planner under-estimates on this machine, and every
 suggestion is scaled up by the same ratio before it is said to fit, so a suggestion is
-not one that only fits on paper.
+not one that only fits on paper; each must also leave MARGIN of the limit free.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..plan.layout import Layout
 from ..plan.search import Candidate, evaluate, host_budget, single_changes, smallest_fit_advice
 
 MiB, GiB = 1 << 20, 1 << 30
+MARGIN = 0.08  # of the limit, left free by every suggestion
 TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "overhead")
 _SECTION = {"micro_batch": "train", "activation_checkpoint": "memory", "offload": "memory"}
 
@@ -67,7 +68,9 @@ def suggestions(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
             continue
         cand = evaluate(model_cfg, lay, work, device)
         needs = cand.memory.total + (scale - 1) * seen_bytes(cand.memory.total, device)
-        if needs <= device.memory_bytes and cand.memory.host <= host_budget(device) and \
+        # A change that fits only just is no answer to an out-of-memory stop: peaks vary
+        # from step to step and the planner is an estimate, so keep a margin.
+        if needs <= (1 - MARGIN) * device.memory_bytes and cand.memory.host <= host_budget(device) and \
                 runnable(cfg, model_cfg, lay, world):
             fitting.append((keys, -cand.cost.tokens_per_s, lay, cand))
     fitting.sort(key=lambda f: f[:2])
