@@ -74,15 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
-                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
-    g.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
-    g.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
-    g.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
-    g.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
-    g.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
-                   "the model's, at most 4096)")
+    _add_placement_args(g)
     g.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
     g.set_defaults(func=cmd_generate)
 
@@ -106,14 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
     sv.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
-    sv.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE")
-    sv.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
-    sv.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
-    sv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
-    sv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
-    sv.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
-    sv.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence (default the model's, at most "
-                    "4096)")
+    _add_placement_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     pr = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
@@ -166,6 +151,19 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config")
     pl.set_defaults(func=cmd_plan)
     return p
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """Where a model for generation lives: the same flags for `generate` and `serve`."""
+    p.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
+                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
+    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
+    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
+    p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
+    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
+                   "the model's, at most 4096)")
 
 
 # ---------------------------------------------------------------- train
@@ -435,19 +433,10 @@ def cmd_plot(args) -> int:
 # ---------------------------------------------------------------- export
 
 def cmd_export(args) -> int:
+    from .infer.placement import parse_size
     from .io.hf_export import export_hf
 
-    info = export_hf(args.checkpoint, args.out, max_shard_bytes=_parse_size(args.max_shard_size, "--max-shard-size"))
+    info = export_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size, "--max-shard-size"))
     print(f"wrote {info['out']}: {info['tensors']} tensors in {info['files']} safetensors file(s), "
           f"{info['params'] / 1e6:.2f}M parameters")
     return 0
-
-
-def _parse_size(text: str, flag: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    import re
-
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in units:
-        raise ConfigError(f"{flag} {text!r} is not a size; write e.g. 500MB or 5GiB")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
