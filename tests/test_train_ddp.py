@@ -1,7 +1,6 @@
 """Training through the real command line on real gloo process groups."""
 
 import json
-import shutil
 import subprocess
 import sys
 

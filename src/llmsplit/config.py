@@ -297,7 +297,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if model_cfg is not None:
         if model_cfg.n_heads % par.tp:
             raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp={par.tp}; use "
-                              f"parallel.tp in {_divisors(model_cfg.n_heads)}")
+                              f"parallel.tp in {_divisor_list(model_cfg.n_heads)}")
         if model_cfg.dim % model_cfg.n_heads:
             raise ConfigError(f"model.dim={model_cfg.dim} is not divisible by model.n_heads={model_cfg.n_heads}")
         if model_cfg.n_heads % model_cfg.n_kv_heads:
@@ -317,7 +317,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
             value = getattr(model_cfg, key)
             if value % par.tp:
                 raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={par.tp}; use parallel.tp in "
-                                  f"{_divisors(math.gcd(value, model_cfg.n_heads))}")
+                                  f"{_divisor_list(math.gcd(value, model_cfg.n_heads))}")
         if model_cfg.vocab_size % par.tp:
             padded = -(-model_cfg.vocab_size // par.tp) * par.tp
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is not divisible by parallel.tp={par.tp}; "
@@ -331,8 +331,12 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     del ck
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _divisor_list(n: int) -> str:
+    return ", ".join(map(str, divisors(n)))
 
 
 def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:

@@ -245,6 +245,12 @@ def _unique_named_parameters(model: nn.Module):
 
 def _name_seed(seed: int, name: str) -> int:
     # Strip wrapper prefixes so that wrapped and plain models draw the same numbers.
-    clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "")
+    clean = plain_name(name)
     digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model: without the prefixes that wrappers add
+    (activation checkpointing, compile, DDP)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "")

@@ -35,15 +35,11 @@ V_SCHEDULES = ("zbv", "dualpipev")
 SINGLE_STAGE = ("gpipe", "1f1b")
 
 
-def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    return pipeline_stages_per_rank(schedule, virtual_stages)
-
-
 def stage_ids_of_rank(schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     """Looped schedules give rank r stages r, r+p, r+2p…; V schedules give r and 2p−1−r."""
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
+    return [pp_rank + k * pp for k in range(pipeline_stages_per_rank(schedule, virtual_stages))]
 
 
 def layer_costs(cfg: LlamaConfig) -> tuple[list[float], float, float]:
@@ -109,7 +105,7 @@ class PipelineParts:
 def split_model(model: Transformer, schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> PipelineParts:
     """Cut `model` (on meta) down to the layers of this pipeline rank. The stage views are
     made later by `make_stages`, once the blocks are final (TP, checkpointing, compile)."""
-    n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    n_stages = pp * pipeline_stages_per_rank(schedule, virtual_stages)
     layers_of_stage = split_layers(model.cfg, n_stages)
     stage_ids = stage_ids_of_rank(schedule, pp_rank, pp, virtual_stages)
     mine = {i for s in stage_ids for i in layers_of_stage[s]}
@@ -168,5 +164,5 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual_stages:
     interleaved figure with v = 2, an upper bound)."""
     if pp == 1:
         return 0.0
-    v = stages_per_rank(schedule, virtual_stages)
+    v = pipeline_stages_per_rank(schedule, virtual_stages)
     return (pp - 1) / (v * n_microbatches + pp - 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import ConfigError
+from ..config import ConfigError, divisors
 from ..models.llama import LlamaConfig
 from .cost import StepCost, step_cost
 from .hardware import Device
@@ -52,10 +52,6 @@ def evaluate(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device, w
 
 # ---------------------------------------------------------------- enumeration
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _powers_of_two_dividing(n: int) -> list[int]:
     out, d = [], 1
     while d <= n:
@@ -69,10 +65,10 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
     """Every layout `llmsplit train` would accept on `world` devices. `minimal` keeps only
     the options that use the least memory (for "how many devices would it take")."""
     per_node = device.gpus_per_node
-    for tp in _divisors(min(world, per_node)):
+    for tp in divisors(min(world, per_node)):
         if world % tp or cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
             continue
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if cfg.n_layers % pp:
                 continue
             dp = world // (tp * pp)

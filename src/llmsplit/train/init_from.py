@@ -12,11 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..config import ConfigError
-
-
-def _clean(name: str) -> str:
-    # Wrappers (activation checkpointing, compile) add prefixes that the weights do not have.
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+from ..models.llama import plain_name
 
 
 @torch.no_grad()
@@ -25,7 +21,7 @@ def load_pretrained(model: torch.nn.Module, source) -> int:
     by shard. Returns the bytes read."""
     read = 0
     for name, p in model.named_parameters():
-        name = _clean(name)
+        name = plain_name(name)  # wrappers add prefixes that the weights do not have
         if isinstance(p, DTensor):
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             local = p.to_local()
