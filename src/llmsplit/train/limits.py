@@ -25,18 +25,15 @@ class MemoryLimitExceeded(RuntimeError):
                          f"at {where}")
 
 
-def check_memory_limit(limit: int | None, device: torch.device, step: int) -> None:
-    """After a step: every rank learns every rank's peak, so all of them stop together
-    (a rank stopping alone would leave the others waiting in the next collective)."""
+def check_memory_limit(limit: int | None, peaks: list[int], step: int) -> None:
+    """After a step, with every rank's peak (`metrics.rank_peaks`): all ranks see the same
+    numbers, so all of them stop together (a rank stopping alone would leave the others
+    waiting in the next collective)."""
     if limit is None:
         return
-    peaks = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
-    gathered = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, peaks)
-    values = [int(t.item()) for t in gathered]
-    worst = max(range(len(values)), key=values.__getitem__)
-    if values[worst] > limit:
-        raise MemoryLimitExceeded(worst, values[worst], limit, "memory.limit_bytes", f"step {step}")
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    if peaks[worst] > limit:
+        raise MemoryLimitExceeded(worst, peaks[worst], limit, "memory.limit_bytes", f"step {step}")
 
 
 def from_device_oom(limit: int | None, device: torch.device, where: str) -> MemoryLimitExceeded:

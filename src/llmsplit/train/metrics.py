@@ -63,3 +63,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 0
+
+
+def rank_peaks(device: torch.device) -> list[int]:
+    """Every rank's `peak_memory_bytes`, on every rank."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [int(t.item()) for t in gathered]

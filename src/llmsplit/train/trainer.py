@@ -38,7 +38,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .hangs import HangReporter
 from .init_from import load_pretrained
 from .limits import check_memory_limit, from_device_oom
-from .metrics import peak_memory_bytes, reset_peak_memory, state_bytes
+from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .profile import StepProfiler, report as profile_report
 from .progress import Progress, print_summary
 
@@ -205,12 +205,11 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
         loss_value = loss_sum.item() / dp_size
         step_time = time.perf_counter() - t0
         profiler.end(step)
-        peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        check_memory_limit(cfg.memory.limit_bytes, device, step)
+        peaks = rank_peaks(device)  # one collective serves the metric and the limit check
+        check_memory_limit(cfg.memory.limit_bytes, peaks, step)
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                  "peak_mem_bytes": int(peak.item())}
+                  "peak_mem_bytes": max(peaks)}
         history.append(record)
         first_loss = first_loss if first_loss is not None else loss_value
         if rank0 and (step % t.log_every == 0 or step == t.steps):
