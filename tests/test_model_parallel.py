@@ -51,11 +51,13 @@ def test_layout_logs_the_single_process_loss(reference, tmp_path, nproc, sets):
             assert str(layout[key.split(".")[1]]) == value
 
 
-def test_tp4_with_as_many_kv_heads(tmp_path):
-    sets = [x for x in MP if not x.startswith("model.n_kv_heads")] + ["model.n_kv_heads=4"]
-    train(tmp_path / "ref", *sets, "train.micro_batch=8", nproc=1)
-    train(tmp_path / "run", *sets, "parallel.tp=4", nproc=4)
-    assert_close_losses(losses(tmp_path / "run"), losses(tmp_path / "ref"))
+def test_tp4_replicates_the_two_kv_heads(reference, tmp_path):
+    # MP has 2 kv heads for 4 query heads: at tp 4 each kv head lives on two ranks, and the
+    # copies must get the summed gradient to stay equal (a wrong sum drifts from step 2 on).
+    train(tmp_path / "run", *MP, "parallel.tp=4", nproc=4)
+    assert_close_losses(losses(tmp_path / "run"), reference)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layout"]["tp"] == 4
 
 
 def test_pipeline_ranks_hold_only_their_stages(reference, tmp_path):
@@ -85,7 +87,8 @@ def test_tensor_parallel_halves_the_weights_each_rank_holds(reference, tmp_path)
 @pytest.mark.parametrize("sets, fragment", [
     (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"],
      "model.n_heads=3 is not divisible by parallel.tp=2; use parallel.tp in 1, 3"),
-    (["parallel.tp=2", "model.n_kv_heads=1"], "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
+    (["parallel.tp=2", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=48"],
+     "model.n_kv_heads=3 is neither divisible by nor a divisor of parallel.tp=2; use parallel.tp in 1, 3, 6"),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual_stages=2"], "needs parallel.pp_schedule"),
     (["parallel.pp=2", "parallel.pp_schedule=chimera"], "parallel.pp_schedule='chimera' is not one of"),
     (["parallel.pp=2", "model.n_layers=1"], "model.n_layers=1 is fewer than"),

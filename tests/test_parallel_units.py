@@ -50,20 +50,23 @@ def _tp_worker(rank, world, store_path, sp, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [True, False])
-def test_every_tensor_parallel_module_matches_the_unsharded_one(tmp_path, sp):
+# tp 4 has more ranks than CFG's 2 kv heads: each kv head is replicated on 2 ranks.
+@pytest.mark.parametrize("tp, sp", [(2, True), (4, False)])
+def test_every_tensor_parallel_module_matches_the_unsharded_one(tmp_path, tp, sp):
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "store"), sp, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(tp, str(tmp_path / "store"), sp, out), nprocs=tp, start_method="spawn")
     loss, ref_loss, diffs, shards = out.get()
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss
     assert max(diffs.values()) < 1e-5, diffs  # the backward of every module's parameters
-    assert shards["layers.0.attention.wq.weight"] == (32, 64)    # column parallel: output rows split
-    assert shards["layers.0.attention.wo.weight"] == (64, 32)    # row parallel: input columns split
-    assert shards["layers.0.feed_forward.w2.weight"] == (64, 64)
-    assert shards["tok_embeddings.weight"] == (48, 64)           # vocabulary parallel
-    assert shards["output.weight"] == (48, 64)
-    assert shards["norm.weight"] == (64,)                        # norms stay whole
+    assert shards["layers.0.attention.wq.weight"] == (64 // tp, 64)    # column parallel: output rows split
+    assert shards["layers.0.attention.wo.weight"] == (64, 64 // tp)    # row parallel: input columns split
+    assert shards["layers.0.feed_forward.w2.weight"] == (64, 128 // tp)
+    # kv heads split while tp divides them, whole (replicated) on every rank beyond that
+    assert shards["layers.0.attention.wk.weight"] == (32 // tp if tp <= 2 else 32, 64)
+    assert shards["tok_embeddings.weight"] == (96 // tp, 64)           # vocabulary parallel
+    assert shards["output.weight"] == (96 // tp, 64)
+    assert shards["norm.weight"] == (64,)                              # norms stay whole
 
 
 def test_stage_split_balances_cost_not_layer_count():

@@ -40,6 +40,7 @@ class ModelSection:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     qkv_bias: bool | None = None
+    rope_scaling: str | None = None  # JSON, as models.llama.rope_params reads it (set from model.hf)
 
 
 @dataclass
@@ -313,11 +314,15 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         if par.pp > 1 and model_cfg.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true shares the embedding with the output head, which pipeline "
                               "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
-        for key in ("n_kv_heads", "ffn_dim"):
-            value = getattr(model_cfg, key)
-            if value % par.tp:
-                raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={par.tp}; use parallel.tp in "
-                                  f"{_divisor_list(math.gcd(value, model_cfg.n_heads))}")
+        kv = model_cfg.n_kv_heads
+        if kv % par.tp and par.tp % kv:
+            # Each rank needs whole kv heads: a share of them, or one replicated (tp a multiple).
+            fits = [t for t in divisors(model_cfg.n_heads) if kv % t == 0 or t % kv == 0]
+            raise ConfigError(f"model.n_kv_heads={kv} is neither divisible by nor a divisor of parallel.tp={par.tp}; "
+                              f"use parallel.tp in {', '.join(map(str, fits))}")
+        if model_cfg.ffn_dim % par.tp:
+            raise ConfigError(f"model.ffn_dim={model_cfg.ffn_dim} is not divisible by parallel.tp={par.tp}; use "
+                              f"parallel.tp in {_divisor_list(math.gcd(model_cfg.ffn_dim, model_cfg.n_heads))}")
         if model_cfg.vocab_size % par.tp:
             padded = -(-model_cfg.vocab_size // par.tp) * par.tp
             raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is not divisible by parallel.tp={par.tp}; "
@@ -339,12 +344,22 @@ def _divisor_list(n: int) -> str:
     return ", ".join(map(str, divisors(n)))
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
 def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:
     """Stages each pipeline rank holds: two in a V for zbv/dualpipev, pp_virtual_stages
     for interleaved_1f1b, one otherwise."""
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SCHEDULES:
         return 2
     return virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+def stage_ids_of_rank(schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Looped schedules give rank r stages r, r+p, r+2p…; V schedules give r and 2p−1−r."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(pipeline_stages_per_rank(schedule, virtual_stages))]
 
 
 def _check_pipeline(cfg: Config) -> None:
@@ -463,6 +478,13 @@ def model_config(cfg: Config, tokenizer_vocab: int | None = None):
             raise ConfigError(f"model.{key}={value} must be at least 1")
         if key in ("rope_theta", "norm_eps") and not value > 0:
             raise ConfigError(f"model.{key}={value} must be greater than 0")
+        if key == "rope_scaling":
+            from .models.llama import rope_params
+
+            try:
+                rope_params(value)
+            except ValueError as e:
+                raise ConfigError(f"model.rope_scaling: {e}") from None
     if "n_heads" in explicit and "n_kv_heads" not in explicit:
         sizes["n_kv_heads"] = explicit["n_heads"]
     sizes.update(explicit)

@@ -5,13 +5,16 @@ vocabulary-parallel embedding, and an output head whose logits stay sharded over
 vocabulary so the loss is computed on the shards (`loss_parallel`). With sequence
 parallel the residual stream and the norms are split along the sequence between the
 TP regions (all-gather in, reduce-scatter out), which divides activation memory by tp.
+
+Grouped-query attention with fewer key/value heads than tp ranks (tp a multiple of
+n_kv_heads) replicates the kv heads, as Megatron-Core and vLLM do: see `KVHeadReplicate`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -36,20 +39,55 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
-
         def to_dtensor(mod, inputs, mesh):
-            from torch.distributed.tensor import DTensor
-
             return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _is_plain_tensor(x) else x
                          for x in inputs)
 
         def to_local(mod, outputs, mesh):
             return outputs.to_local() if hasattr(outputs, "to_local") else outputs
 
-        return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
+        return distribute_module(module, device_mesh, _replicate_params, to_dtensor, to_local)
+
+
+class KVHeadReplicate(ParallelStyle):
+    """wk or wv when tp exceeds the kv heads: each rank gets the one kv head its query heads use.
+
+    Column sharding cannot do it (it would cut a head into pieces), so the weight stays whole
+    on every rank as a replicated DTensor: checkpoints, export and resume see the model's own
+    [n_kv_heads·head_dim, dim] shape. The projection runs on the replicated input, each kv
+    head is repeated tp/n_kv_heads times into tp "virtual" heads, and rank r keeps virtual
+    head r, i.e. kv head r // (tp / n_kv_heads): the one all of its n_heads/tp query heads use.
+    DTensor's backward of that split all-gathers the heads' gradients and the repeat sums
+    them, so every rank gets the same full weight gradient: the sum over all replicas, the
+    single-process gradient, and the copies stay identical after every optimizer step.
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        n_kv, hd = self.n_kv_heads, self.head_dim
+        copies = device_mesh.size() // n_kv
+
+        def to_replicated(mod, inputs, mesh):
+            x = inputs[0]
+            if _is_plain_tensor(x):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+        def own_head(mod, out, mesh):
+            lead = out.shape[:-1]
+            virtual = out.unflatten(-1, (n_kv, 1, hd)).expand(*lead, n_kv, copies, hd)
+            virtual = virtual.reshape(*lead, n_kv * copies * hd)
+            return virtual.redistribute(mesh, [Shard(virtual.dim() - 1)]).to_local()
+
+        return distribute_module(module, device_mesh, _replicate_params, to_replicated, own_head)
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
 
 
 def _is_plain_tensor(x) -> bool:
@@ -61,6 +99,10 @@ def _is_plain_tensor(x) -> bool:
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split every layer of `model` over `tp_mesh` in place (the model may be on meta)."""
     sp = sequence_parallel
+    cfg = model.cfg
+    # Validation guarantees that tp divides n_kv_heads or is a multiple of it.
+    kv_style = (ColwiseParallel() if cfg.n_kv_heads % tp_mesh.size() == 0
+                else KVHeadReplicate(cfg.n_kv_heads, cfg.head_dim))
     residual = Shard(1) if sp else Replicate()
     norm_style = SequenceParallel() if sp else ReplicateParallel()
     top = {}
@@ -78,8 +120,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             "attention": PrepareModuleInput(input_layouts=(residual, *_ATTN_EXTRA_INPUTS),
                                             desired_input_layouts=(Replicate(), *_ATTN_EXTRA_INPUTS)),
             "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            "attention.wk": kv_style,
+            "attention.wv": kv_style,
             "attention.wo": RowwiseParallel(output_layouts=residual),
             "ffn_norm": norm_style,
             "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
