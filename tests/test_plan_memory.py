@@ -108,3 +108,29 @@ def test_inference_kv_cache():
                           get_device("H200-141GB"))
     assert bd.detail["kv_cache"] == 2 * 80 * 8 * 128 * 2 * 8192  # 2.68 GB
     assert bd.params == 2 * cfg.num_params()
+
+
+def test_uneven_pipeline_split_is_the_one_training_uses():
+    """pp not dividing the layers: the planner counts the layers parallel/pipeline.py gives
+    each rank (balanced by cost), and the fullest rank decides the memory."""
+    from llmsplit.config import stage_ids_of_rank
+    from llmsplit.models.stages import split_layers
+    from llmsplit.plan.layout import rank_layers
+    from llmsplit.plan.memory import stage_params
+
+    cfg = preset_config("llama-3-8b")  # 32 layers
+    for layout in (Layout(pp=6), Layout(pp=3, pp_schedule="zbv"), Layout(pp=5, pp_schedule="interleaved_1f1b",
+                                                                            pp_virtual_stages=2)):
+        per_stage = split_layers(cfg, layout.pp * layout.chunks)
+        expected = [sum(len(per_stage[s]) for s in stage_ids_of_rank(layout.pp_schedule, r, layout.pp, layout.chunks))
+                    for r in range(layout.pp)]
+        assert list(rank_layers(cfg, layout)) == expected and sum(expected) == 32
+        assert len(set(expected)) > 1  # really uneven
+        held = [stage_params(cfg, layout, r)["layers"] for r in range(layout.pp)]
+        assert held == [n * layer_params(cfg) for n in expected]
+    from llmsplit.plan.memory import _training_stage
+
+    work, device = Workload(seq_len=1024, global_batch=12), get_device("H100-80GB")
+    per_rank = [_training_stage(cfg, Layout(pp=6), work, device, r) for r in range(6)]
+    bd = training_memory(cfg, Layout(pp=6), work, device)
+    assert bd.total == max(r.total for r in per_rank) and len({r.total for r in per_rank}) > 2

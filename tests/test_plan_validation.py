@@ -9,13 +9,12 @@ from helpers import MEDIUM_TOML, run_cli
 from llmsplit.config import load_config, model_config, validate
 from llmsplit.plan.api import predict_for_config
 
-CONFIG = MEDIUM_TOML + "[parallel]\nzero = 0\n"
-
 
 @pytest.mark.slow
-def test_prediction_matches_a_real_ddp_run(tmp_path):
+@pytest.mark.parametrize("parallel", ["zero = 0", "zero = 3", "tp = 2", "pp = 2"])
+def test_prediction_matches_a_real_run(tmp_path, parallel):
     path = tmp_path / "run.toml"
-    path.write_text(CONFIG)
+    path.write_text(MEDIUM_TOML + f"[parallel]\n{parallel}\n")
     run_cli("train", "--config", str(path), "--nproc", "2", "--run-dir", str(tmp_path / "run"), timeout=240)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..models.llama import LlamaConfig
 from .hardware import Device
-from .layout import Layout, Workload, microbatches
+from .layout import Layout, Workload, microbatches, rank_layers
 from .memory import FP32, compute_pattern, layer_activation_bytes, layer_params, stage_params
 
 # Collectives reach about this fraction of link bandwidth (NCCL bus bandwidth vs wire speed).
@@ -66,7 +66,7 @@ def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Devi
     matmul_s = hardware_flops / (peak * device.matmul_efficiency)
     # Elementwise work (norms, rope, SiLU, casts, their backward) streams the saved
     # activations about three times: written in forward, read and written in backward.
-    layers = cfg.n_layers // p
+    layers = max(rank_layers(cfg, layout))  # the fullest stage sets the pace
     per_layer = layer_activation_bytes(cfg, layout.micro_batch, s, layout, compute_pattern(layout, work))
     elementwise_s = 3 * per_layer * layers * m / (device.mem_bw / (device.gpus_per_node if device.kind == "cpu" else 1))
     compute_s = matmul_s + elementwise_s
@@ -149,7 +149,7 @@ def inference_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
     t, p = layout.tp, layout.pp
     stage = stage_params(cfg, layout, 0)
     weights = c * (stage["layers"] + stage["head"] + stage["final_norm"])  # the embedding is a lookup
-    layers = cfg.n_layers // p
+    layers = max(rank_layers(cfg, layout))
     kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * work.global_batch * work.seq_len
     read_s = (weights + kv) / device.mem_bw
     flops = 2 * cfg.num_params() * work.global_batch / layout.world

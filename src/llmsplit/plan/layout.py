@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from ..config import CHOICES, ConfigError
+from ..config import CHOICES, V_SCHEDULES, ConfigError, stage_ids_of_rank
 from ..models.llama import LlamaConfig
+from ..models.stages import split_layers
 
 SCHEDULES = CHOICES["parallel.pp_schedule"]
 CHECKPOINTING = CHOICES["memory.activation_checkpoint"]
 OFFLOADS = CHOICES["memory.offload"]
 PRECISIONS = CHOICES["train.precision"]
-# V-shaped schedules place two chunks on every rank by construction.
-V_SCHEDULES = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -86,14 +85,17 @@ def check_layout(cfg: LlamaConfig, layout: Layout, work: Workload, world: int | 
     if world is not None and layout.world != world:
         raise ConfigError(f"layout dp × tp × pp = {layout.dp}×{layout.tp}×{layout.pp} = {layout.world} "
                           f"but --gpus is {world}; change dp (or leave it out)")
-    if cfg.n_heads % layout.tp or cfg.n_kv_heads % layout.tp:
+    # Training replicates kv heads when tp is a multiple of them; inference does not.
+    kv_replicated = work.mode == "train" and layout.tp % cfg.n_kv_heads == 0
+    if cfg.n_heads % layout.tp or (cfg.n_kv_heads % layout.tp and not kv_replicated):
+        also = " (in training, a multiple of the key/value heads also works)" if work.mode == "train" else ""
         raise ConfigError(f"layout tp={layout.tp} does not divide the model's {cfg.n_heads} attention heads "
-                          f"and {cfg.n_kv_heads} key/value heads; use a tp that divides both")
+                          f"and {cfg.n_kv_heads} key/value heads; use a tp that divides both{also}")
     if cfg.vocab_size % layout.tp:
         raise ConfigError(f"layout tp={layout.tp} does not divide the vocabulary of {cfg.vocab_size}")
-    if cfg.n_layers % (layout.pp * layout.chunks):
-        raise ConfigError(f"layout pp={layout.pp} with {layout.chunks} chunk(s) per stage does not divide the "
-                          f"model's {cfg.n_layers} layers; use a pp that divides {cfg.n_layers}")
+    if cfg.n_layers < layout.pp * layout.chunks:
+        raise ConfigError(f"layout pp={layout.pp} with {layout.chunks} chunk(s) per stage needs at least "
+                          f"{layout.pp * layout.chunks} layers but the model has {cfg.n_layers}; lower pp")
     if layout.dp % layout.dp_replicate:
         raise ConfigError(f"layout dp={layout.dp} is not divisible by dp_replicate={layout.dp_replicate}")
     if layout.dp_replicate > 1 and layout.zero < 2:
@@ -137,3 +139,23 @@ def _value(key: str, raw: str):
         return int(raw)
     except ValueError:
         raise ConfigError(f"--layout {key}={raw!r} must be an integer") from None
+
+
+def rank_layers(cfg: LlamaConfig, layout: Layout) -> tuple[int, ...]:
+    """Decoder layers each pipeline rank holds, cut exactly as parallel/pipeline.py cuts them
+    (balanced by cost, so not always n_layers / pp)."""
+    if layout.pp == 1:
+        return (cfg.n_layers,)
+    # The search asks for the same split once per stage and per layout; the cut is a
+    # dynamic programme over layers × stages, so remember it.
+    key = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size,
+           layout.pp, layout.pp_schedule, layout.chunks)
+    if key not in _RANK_LAYERS:
+        per_stage = split_layers(cfg, layout.pp * layout.chunks)
+        _RANK_LAYERS[key] = tuple(
+            sum(len(per_stage[s]) for s in stage_ids_of_rank(layout.pp_schedule, r, layout.pp, layout.chunks))
+            for r in range(layout.pp))
+    return _RANK_LAYERS[key]
+
+
+_RANK_LAYERS: dict[tuple, tuple[int, ...]] = {}

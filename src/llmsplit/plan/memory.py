@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..models.llama import LlamaConfig
 from .hardware import Device
-from .layout import Layout, Workload, microbatches
+from .layout import Layout, Workload, microbatches, rank_layers
 
 FP32 = 4
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
@@ -54,9 +54,11 @@ class Breakdown:
 def layer_params(cfg: LlamaConfig, tp: int = 1) -> int:
     """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
     h, d = cfg.dim, cfg.head_dim
-    matrices = h * d * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * d * h + 3 * h * cfg.ffn_dim
-    bias = d * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
-    return (matrices + bias) // tp + 2 * h
+    q_o_mlp = 2 * h * d * cfg.n_heads + 3 * h * cfg.ffn_dim + (d * cfg.n_heads if cfg.qkv_bias else 0)
+    kv = 2 * d * cfg.n_kv_heads * (h + (1 if cfg.qkv_bias else 0))
+    # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
+    kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
+    return q_o_mlp // tp + kv_share + 2 * h
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
@@ -70,7 +72,8 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
     table = cfg.vocab_size * cfg.dim // t
     # A tied head shares the embedding's tensor only when both live on the same rank.
     head = table if last and (not cfg.tie_embeddings or not first) else 0
-    return {"layers": cfg.n_layers // p * layer_params(cfg, t), "embedding": table if first else 0,
+    n_layers = rank_layers(cfg, layout)[stage]
+    return {"n_layers": n_layers, "layers": n_layers * layer_params(cfg, t), "embedding": table if first else 0,
             "head": head, "final_norm": cfg.dim if last else 0, "has_head": last}
 
 
@@ -204,9 +207,9 @@ def in_flight(layout: Layout, stage: int, m: int) -> float:
 
 def training_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:
     """The fullest pipeline stage's memory on one device."""
-    # The first stage holds the most micro-batches in flight, the last one the loss; the
-    # stages between hold the same parameters and fewer activations than the first.
-    stages = [_training_stage(cfg, layout, work, device, i) for i in sorted({0, layout.pp - 1})]
+    # The first stage holds the most micro-batches in flight, the last one the loss; with
+    # an uneven split (balanced by cost) a middle stage may hold more layers: check each.
+    stages = [_training_stage(cfg, layout, work, device, i) for i in range(layout.pp)]
     return max(stages, key=lambda bd: bd.total)
 
 
@@ -217,7 +220,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     c = work.compute_bytes
     b, s = layout.micro_batch, work.seq_len
     m = microbatches(layout, work)
-    layers = cfg.n_layers // layout.pp
+    layers = sp_["n_layers"]
     fused = device.kind == "cpu" or work.precision != "fp32"
 
     states = model_state_bytes(n_params, layout.zero, layout.shard)
@@ -315,7 +318,7 @@ def inference_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: D
     for stage in range(layout.pp):
         sp_ = stage_params(cfg, layout, stage)
         weights = c * (sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"])
-        layers = cfg.n_layers // layout.pp
+        layers = sp_["n_layers"]
         tokens = work.global_batch * work.seq_len
         kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * tokens
         layer_tmp = tokens * c * (3 * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.ffn_dim) / t

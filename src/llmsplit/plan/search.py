@@ -66,10 +66,12 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
     the options that use the least memory (for "how many devices would it take")."""
     per_node = device.gpus_per_node
     for tp in divisors(min(world, per_node)):
-        if world % tp or cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
+        # Training replicates kv heads when tp is a multiple of them; inference does not.
+        kv_fits = cfg.n_kv_heads % tp == 0 or (work.mode == "train" and tp % cfg.n_kv_heads == 0)
+        if world % tp or cfg.n_heads % tp or not kv_fits or cfg.vocab_size % tp:
             continue
         for pp in divisors(world // tp):
-            if cfg.n_layers % pp:
+            if cfg.n_layers < pp:  # uneven splits are fine: stages are balanced by cost
                 continue
             dp = world // (tp * pp)
             if work.mode == "infer":
@@ -96,7 +98,7 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
         for r in replicas:
             for sched in schedules:
                 v = 2 if sched in ("interleaved_1f1b", "zbv") else 1
-                if cfg.n_layers % (pp * v):
+                if cfg.n_layers < pp * v:
                     continue
                 for mb in micro:
                     if pp > 1 and per_rank // mb < pp:
