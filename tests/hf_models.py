@@ -28,8 +28,8 @@ def make_hf_folder(path: Path, arch: str = "llama", tie: bool = False, seed: int
     import transformers
 
     tok = train_tokenizer()
-    kw = dict(SMALL, vocab_size=tok.get_vocab_size(), tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
-              **overrides)
+    kw = {**SMALL, "vocab_size": tok.get_vocab_size(), "tie_word_embeddings": tie, "bos_token_id": 0,
+          "eos_token_id": 1, **overrides}  # vocab_size may exceed the tokenizer's, as in many checkpoints
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

@@ -24,10 +24,11 @@ def folder(tmp_path_factory):
     return make_hf_folder(tmp_path_factory.mktemp("gguf") / "llama", num_hidden_layers=2)
 
 
-def write_gguf(folder, path, qtype):
+def write_gguf(folder, path, qtype, extra=lambda writer: None):
     src = HFWeights(folder)
     cfg = src.config
     w = gguf.GGUFWriter(str(path), "llama")
+    extra(w)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
@@ -98,6 +99,35 @@ def test_gguf_logits_match_the_source(folder, tmp_path, qtype):
     else:  # the quantization error, and no more than it
         err = (got - source).abs().max().item()
         assert 1e-6 < err < (0.05 if qtype == "Q8_0" else 0.5) * source.abs().max().item(), err
+
+
+def test_gguf_rope_scaling_matches_transformers(tmp_path):
+    """Llama 3.1 scaling as llama.cpp's converter stores it: a rope_freqs tensor of divisors."""
+    import math
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    folder = make_hf_folder(tmp_path / "llama3", num_hidden_layers=2, rope_parameters=rope)
+
+    def rope_freqs(w):  # convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, in short
+        factors = []
+        for freq in 1.0 / (1e4 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)):
+            wavelen = 2 * math.pi / freq
+            if wavelen < 64 / 4.0:
+                factors.append(1.0)
+            elif wavelen > 64 / 1.0:
+                factors.append(8.0)
+            else:
+                smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+                factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+    write_gguf(folder, tmp_path / "m.gguf", gguf.GGMLQuantizationType.F32, rope_freqs)
+    m = llmsplit.load(tmp_path / "m.gguf")
+    assert json.loads(m.config.rope_scaling)["rope_type"] == "factors"
+    ids = torch.randint(0, m.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m.logits(ids), hf_model(folder)(ids).logits, atol=1e-4, rtol=0)
 
 
 def test_gguf_tokenizer_matches_tokenizer_json(folder, tmp_path):

@@ -54,6 +54,36 @@ def test_other_families_match_transformers(tmp_path, arch, extra):
         torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},  # head_dim 16: long, blended and kept wavelengths
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 8.0}])  # max_position_embeddings 8 < 11 tokens: rescaled
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    short = rope["rope_type"] == "dynamic"
+    folder = make_hf_folder(tmp_path / "rope", num_hidden_layers=2, rope_parameters={**rope, "rope_theta": 1e4},
+                            **({"max_position_embeddings": 8} if short else {}))
+    ref = hf_model(folder)
+    m = llmsplit.load(folder, max_context=64)
+    assert json.loads(m.config.rope_scaling)["rope_type"] == rope["rope_type"]
+    ids = torch.randint(2, m.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    plain = tmp_path / "plain"  # the same weights without the scaling
+    plain.mkdir()
+    for f in ("model.safetensors", "tokenizer.json"):
+        (plain / f).symlink_to(folder / f)
+    raw = json.loads((folder / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}}))
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = m.logits(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (got - llmsplit.load(plain).logits(ids)).abs().max() > 1e-3  # the scaling changed the maths
+    # Through the KV cache, one token at a time (dynamic rescales at every step past 8).
+    hf_out = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 11:]
+    assert greedy_tokens(m, ids[0].tolist(), 8) == hf_out.tolist()
+
+
 def test_sharded_folder_and_slices(tmp_path):
     folder = make_hf_folder(tmp_path / "sharded", num_hidden_layers=2)
     model = hf_model(folder)
@@ -86,9 +116,13 @@ def test_bad_folders_are_named(tmp_path, llama):
         HFWeights(bad)
     scaled = tmp_path / "scaled"
     scaled.mkdir()
-    (scaled / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "llama3",
+    (scaled / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                                                "rope_theta": 5e5}}))
-    with pytest.raises(ConfigError, match="rope scaling 'llama3'"):
+    with pytest.raises(ConfigError, match="rope scaling 'yarn' is not supported"):
+        HFWeights(scaled)
+    (scaled / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                                               "rope_theta": 5e5}}))
+    with pytest.raises(ConfigError, match="llama3 rope scaling lacks low_freq_factor, high_freq_factor"):
         HFWeights(scaled)
     empty = tmp_path / "noweights"
     empty.mkdir()

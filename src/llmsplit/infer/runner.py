@@ -21,6 +21,7 @@ from ..models.llama import Transformer, rope_tables
 from .kv_cache import PagedKVCache, Step
 from .offload import Offloader, _set
 from .placement import Placement
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
 
 # Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
 _COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.")
@@ -67,6 +68,13 @@ class Runner:
         for unit in ("tok_embeddings", "norm", "output"):
             if unit not in dmap:
                 setattr(model, unit, None)
+        if spec.tp_size > 1:  # split over the vocabulary, not replicated
+            args = (spec.tp_rank, spec.tp_size, spec.tp_group)
+            with torch.device("meta"):
+                if model.tok_embeddings is not None:
+                    model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, *args)
+                if model.output is not None:
+                    model.output = VocabParallelHead(cfg.dim, cfg.vocab_size, *args)
         if model.output is not None and model.tok_embeddings is not None:
             model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))  # untie; re-tied below
         self.offloader = None
@@ -90,7 +98,7 @@ class Runner:
                 _set(module, key, t.to(dev))
             self.devices[unit] = torch.device(dev)
         first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
-        cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first)
+        cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first, scaling=cfg.rope_scaling)
         model.rope_cos, model.rope_sin = cos, sin
         self._move_at_device_changes(model)
         if spec.tp_size > 1:
@@ -104,6 +112,9 @@ class Runner:
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
 
     def _read(self, source, name: str) -> torch.Tensor:
+        if self.spec.tp_size > 1 and name in ("tok_embeddings.weight", "output.weight"):
+            w = read_vocab_shard(source, name, self.cfg.vocab_size, self.spec.tp_rank, self.spec.tp_size)
+            return w.to(self.spec.dtype)
         return source.read(name, tp_shard(name, self.spec.tp_rank, self.spec.tp_size)).to(self.spec.dtype)
 
     def _all_reduce(self, module, args, out):

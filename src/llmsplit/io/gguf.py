@@ -79,7 +79,10 @@ class GGUFWeights:
             raise ConfigError(f"{str(self.path)!r}: GGUF architecture {arch!r} is not supported; llmsplit reads "
                               f"{', '.join(ARCHITECTURES)}")
         self._tensors = {}
+        self._rope_freqs = None  # llama.cpp's per-frequency divisors (Llama 3.1+ rope scaling)
         for t in self._reader.tensors:
+            if t.name == "rope_freqs.weight":
+                self._rope_freqs = t
             ours = from_gguf_name(t.name)
             if ours is None:
                 continue
@@ -112,9 +115,36 @@ class GGUFWeights:
                 ffn_dim=int(a("feed_forward_length")), max_seq_len=int(a("context_length", 2048)),
                 rope_theta=float(a("rope.freq_base", 10000.0)),
                 norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-                tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2")
+                tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2",
+                rope_scaling=self._rope_scaling(a))
         except (TypeError, KeyError) as e:
             raise ConfigError(f"{str(self.path)!r} lacks the model metadata a llama GGUF has ({e})") from None
+
+    def _rope_scaling(self, a) -> str | None:
+        """Rope scaling as llama.cpp stores it: a rope_freqs tensor (Llama 3.1's scaling, one
+        divisor per frequency) or `rope.scaling.type` linear with its factor."""
+        import json
+
+        from gguf.quants import dequantize
+
+        kind = a("rope.scaling.type", "none")
+        factor = float(a("rope.scaling.factor", 1.0) or 1.0)
+        if kind == "linear" and factor == 1.0:
+            kind = "none"
+        if kind not in ("none", "linear") or (kind == "linear" and self._rope_freqs is not None):
+            raise ConfigError(f"{str(self.path)!r}: rope scaling {kind!r} is not supported; llmsplit reads "
+                              f"linear scaling and Llama 3's rope_freqs")
+        if kind == "linear":
+            return json.dumps({"rope_type": "linear", "factor": factor})
+        if self._rope_freqs is None:
+            return None
+        t = self._rope_freqs
+        divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+        half_head = int(a("embedding_length")) // int(a("attention.head_count")) // 2
+        if divisors.size != half_head:
+            raise ConfigError(f"{str(self.path)!r}: rope_freqs holds {divisors.size} values, not one per rotary "
+                              f"frequency ({half_head})")
+        return json.dumps({"rope_type": "factors", "factors": [float(x) for x in divisors]})
 
     def names(self) -> list[str]:
         from .hf import expected_names

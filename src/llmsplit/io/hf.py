@@ -74,9 +74,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
         raise ConfigError(f"{where}: architecture {archs[0]!r} (model_type {model_type!r}) is not supported; "
                           f"llmsplit loads {', '.join(sorted(SUPPORTED.values()))}")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{where}: rope scaling {rope_type!r} is not supported; only plain rotary embeddings are")
+    scaling = _rope_scaling(rope, raw, where)
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; the Llama family uses silu")
     if raw.get("mlp_bias") or (model_type != "qwen2" and raw.get("attention_bias")):
@@ -89,13 +87,44 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
             ffn_dim=raw["intermediate_size"], max_seq_len=raw.get("max_position_embeddings", 2048),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2")
+            qkv_bias=model_type == "qwen2", rope_scaling=scaling)
     except KeyError as e:
         raise ConfigError(f"{where} lacks the key {e.args[0]!r} that a Llama-family config has") from None
     if raw.get("head_dim") not in (None, cfg.head_dim):
         raise ConfigError(f"{where}: head_dim {raw['head_dim']} differs from hidden_size / num_attention_heads "
                           f"= {cfg.head_dim}, which llmsplit's model assumes")
     return cfg
+
+
+# Rotary scaling types transformers' Llama computes, and the keys each one reads.
+_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _rope_scaling(rope: dict, raw: dict, where: str) -> str | None:
+    """`LlamaConfig.rope_scaling` (JSON text) from config.json's rope_scaling / rope_parameters."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(f"{where}: rope scaling {rope_type!r} is not supported; llmsplit computes "
+                          f"{', '.join(_ROPE_KEYS)} and plain rotary embeddings")
+    if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor is not supported; the Llama family rotates whole heads")
+    params = dict(rope)
+    # As transformers does: the pretraining length defaults to max_position_embeddings, which is
+    # also what "dynamic" scales from (kept here because inference resizes max_seq_len).
+    params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in params]
+    if missing:
+        raise ConfigError(f"{where}: {rope_type} rope scaling lacks {', '.join(missing)}")
+    if rope_type == "dynamic":
+        params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    keep = {k: float(params[k]) for k in _ROPE_KEYS[rope_type]}
+    keep["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if rope_type == "linear":
+        del keep["original_max_position_embeddings"]
+    return json.dumps({"rope_type": rope_type, **keep}, sort_keys=True)
 
 
 def eos_ids_from_hf(raw: dict) -> set[int]:

@@ -35,6 +35,7 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta,
+        **({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {}),
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
@@ -44,6 +45,13 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
         "eos_token_id": eos_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def _rope_scaling_to_hf(cfg: LlamaConfig) -> dict:
+    params = json.loads(cfg.rope_scaling)
+    if params["rope_type"] == "dynamic":
+        params.pop("original_max_position_embeddings")  # transformers scales from max_position_embeddings
+    return params
 
 
 def _bytes_to_unicode() -> dict[int, str]:

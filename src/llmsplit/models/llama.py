@@ -9,7 +9,9 @@ keeps checkpoints layout-independent. Rotary embeddings use the Hugging Face
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -31,6 +33,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    # Rotary scaling as JSON text (see `rope_params`), None for plain rotary embeddings. Text
+    # rather than a dict so that it round-trips through a run's config.toml like every size.
+    rope_scaling: str | None = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -69,8 +74,66 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+ROPE_TYPES = ("linear", "dynamic", "llama3", "factors")
+
+
+@functools.lru_cache(maxsize=16)
+def rope_params(scaling: str | None) -> dict | None:
+    """The parsed `LlamaConfig.rope_scaling`, checked. Types, as transformers computes them:
+    "linear" {factor}; "dynamic" (NTK) {factor, original_max_position_embeddings};
+    "llama3" {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings};
+    "factors" {factors: one divisor per frequency}, what llama.cpp stores as rope_freqs."""
+    if scaling is None:
+        return None
+    need = {"linear": ("factor",), "dynamic": ("factor", "original_max_position_embeddings"),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "factors": ("factors",)}
+    try:
+        p = json.loads(scaling)
+        missing = [k for k in need[p["rope_type"]] if k not in p]
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"rope scaling {scaling!r} is not one of the types {', '.join(ROPE_TYPES)} "
+                         f"written as JSON with a rope_type key") from None
+    if missing:
+        raise ValueError(f"{p['rope_type']} rope scaling lacks {', '.join(missing)}")
+    return p
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: str | None = None, seq_len: int | None = None,
+                  device=None) -> torch.Tensor:
+    """Rotary inverse frequencies; with `scaling`, rescaled as transformers' Llama does.
+    `seq_len` matters only to "dynamic": the length of the longest sequence of the call."""
+    p = rope_params(scaling)
+    if p is not None and p["rope_type"] == "dynamic" and seq_len is not None:
+        orig, factor = p["original_max_position_embeddings"], p["factor"]
+        theta = theta * ((factor * max(seq_len, orig) / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if p is None or p["rope_type"] == "dynamic":
+        return inv_freq
+    if p["rope_type"] == "linear":
+        return inv_freq / p["factor"]
+    if p["rope_type"] == "factors":
+        return inv_freq / torch.tensor(p["factors"], dtype=torch.float32, device=device)
+    # llama3: long wavelengths divided by factor, short ones kept, a smooth blend between.
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def dynamic_rope_limit(scaling: str | None) -> int | None:
+    """For "dynamic" scaling the length up to which plain tables apply, else None."""
+    p = rope_params(scaling)
+    return p["original_max_position_embeddings"] if p is not None and p["rope_type"] == "dynamic" else None
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: str | None = None,
+                seq_len: int | None = None):
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, seq_len, device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -170,7 +233,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -189,6 +252,9 @@ class Transformer(nn.Module):
                 self._extend_rope(start_pos + s)
             cos = self.rope_cos[start_pos:]
             sin = self.rope_sin[start_pos:]
+        limit = dynamic_rope_limit(self.cfg.rope_scaling)
+        if limit is not None:
+            cos, sin = self._dynamic_rope(start_pos, s, limit, cos, sin)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, kv_cache, start_pos)
@@ -198,8 +264,22 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def _extend_rope(self, length: int):
-        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device=self.rope_cos.device,
+                               scaling=self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
+
+    def _dynamic_rope(self, start_pos, s: int, limit: int, cos, sin):
+        """Dynamic NTK scaling as transformers applies it: a call whose longest sequence ends
+        past `limit` uses frequencies recomputed for that length (cached keys keep theirs)."""
+        end = (int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else start_pos) + s
+        if end <= limit:
+            return cos, sin
+        cos_t, sin_t = rope_tables(self.cfg.head_dim, end, self.cfg.rope_theta, device=self.rope_cos.device,
+                                   scaling=self.cfg.rope_scaling, seq_len=end)
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
+            return cos_t[pos], sin_t[pos]
+        return cos_t[start_pos:], sin_t[start_pos:]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
@@ -212,7 +292,8 @@ class Transformer(nn.Module):
         device = buffer_device or next(iter(self.buffers())).device
         if device.type == "meta":
             device = torch.device("cpu")
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
+                               scaling=self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in _unique_named_parameters(self):
