@@ -87,3 +87,49 @@ def test_over_the_limit_exits_1_and_the_first_suggestion_fits(tmp_path):
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["steps"] == 2
     assert all(r["peak_mem_bytes"] <= LIMIT for r in summary["per_rank"])
+
+
+# ---------------------------------------------------------------- generate
+
+def test_generate_over_its_budget_exits_1_and_the_first_suggestion_fits(tmp_path, capsys):
+    """In one process (no CLI start-up): the tiny HF model needs ~1.3 MiB for a 256-token
+    context on the CPU; a 1 MiB budget is refused with the placement's breakdown, and the
+    first suggested flag, added to the same command, loads and generates."""
+    pytest.importorskip("transformers")
+    from hf_models import make_hf_folder
+    from llmsplit.cli import main
+
+    folder = str(make_hf_folder(tmp_path / "llama", num_hidden_layers=2))
+    cmd = ["generate", "--model", folder, "hi", "--max-new-tokens", "2", "--max-memory", "cpu=1MiB"]
+    assert main(cmd) == 1
+    err = capsys.readouterr().err
+    for term in ("weights", "kv_cache", "workspace", "total"):
+        assert re.search(rf"^\s+{term}\s+[\d.]+ (KiB|MiB|B)", err, re.MULTILINE), err
+    assert "1 × 256 tokens" in err and "cpu 1.00 MiB" in err
+    first = next(line for line in err.splitlines() if line.startswith("  --")).split("#")[0].split()
+    assert first == ["--max-context", "128"], err
+    assert main(cmd + first) == 0, capsys.readouterr().err
+    # Nothing fits 10 KiB, not even streaming the layers from disk: the explainer says so.
+    assert main(cmd[:-1] + ["cpu=10KiB", "--offload-dir", str(tmp_path / "off")]) == 1
+    assert "no change of one flag fits; raise --max-memory" in capsys.readouterr().err
+
+
+def test_a_measured_cuda_stop_scales_the_suggestions(tmp_path):
+    """A CUDA stop measured above the placement's prediction leaves fewer changes that fit
+    (fake budgets: the explainer is pure given them)."""
+    from llmsplit.diagnose.oom import explain_infer_oom
+    from llmsplit.infer.placement import Sizes, place
+    from llmsplit.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=512, max_seq_len=4096)
+    sizes = Sizes(batch=4, context=4096, reserve={"cuda": 0, "cpu": 0, "disk": 0})
+    budgets = {"cuda:0": 200 * 2**20}
+    predicted = place(cfg, budgets, "auto", sizes).usage["cuda:0"]["total"]
+    failure = {"device": "cuda:0", "peak_bytes": predicted, "limit_bytes": budgets["cuda:0"], "where": "generating"}
+    kw = dict(offload_dir=None, max_batch_flag=True)
+    same = explain_infer_oom(cfg, sizes, budgets, "auto", failure, **kw)
+    worse = explain_infer_oom(cfg, sizes, budgets, "auto", {**failure, "peak_bytes": 3 * predicted}, **kw)
+    assert same["scale"] == 1.0 and worse["scale"] == pytest.approx(3.0)
+    assert same["suggestions"][:2] == [["--max-context", "2048"], ["--max-batch", "2"]]
+    # Three times the memory per token: the context and batch must shrink further.
+    assert int(worse["suggestions"][0][1]) < 2048 and "3.00×" in worse["text"]

@@ -335,9 +335,19 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
     if not prompt:
         raise ConfigError("the prompt is empty; pass PROMPT words or text on standard input")
-    m = llmsplit.load(args.model, device_map=args.device_map, max_memory=args.max_memory,
-                      offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=1,
-                      max_context=args.max_context)
+    import torch
+
+    from .infer.placement import PlacementError
+
+    failure = None
+    try:
+        m = llmsplit.load(args.model, device_map=args.device_map, max_memory=args.max_memory,
+                          offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=1,
+                          max_context=args.max_context)
+    except (PlacementError, torch.OutOfMemoryError) as e:
+        failure = _infer_failure(e, "loading the model")
+    if failure is not None:  # outside `except`: the traceback no longer holds the half-loaded model
+        return _explain_infer_oom(args, 1, *failure)
     try:
         if args.show_device_map:
             print(m.placement.describe() if m.placement else
@@ -350,29 +360,79 @@ def cmd_generate(args) -> int:
         text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                           ignore_eos=args.ignore_eos, on_text=emit if args.stream else None)
+    except torch.OutOfMemoryError as e:
+        failure = _infer_failure(e, "generating")
     finally:
         m.close()
+    if failure is not None:
+        del m
+        return _explain_infer_oom(args, 1, *failure)
     if not args.stream:
         sys.stdout.write(text)
     sys.stdout.write("\n")
     return 0
 
 
+def _infer_failure(error: BaseException, where: str) -> tuple:
+    """(refused by placement?, the measured CUDA stop or None) for `_explain_infer_oom`."""
+    from .infer.placement import PlacementError
+
+    if isinstance(error, PlacementError):
+        return True, None
+    from .diagnose.oom import infer_failure_from_cuda
+
+    return False, infer_failure_from_cuda(error, where)
+
+
+def _explain_infer_oom(args, max_batch: int, placement_refused: bool, failure: dict | None) -> int:
+    """generate/serve out of memory (placement refused the budgets, or CUDA ran out): the
+    placement's breakdown against the budgets and the one-flag changes that fit; exit 1."""
+    import gc
+
+    import torch
+
+    from .diagnose.oom import explain_infer_oom
+    from .infer.api import placement_mode, run_sizes
+    from .infer.placement import detect_budgets
+    from .io.weights import open_weights
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # so that the budgets read below are the device's, not the failed load's
+    source = open_weights(args.model)
+    _, sizes = run_sizes(source, args.dtype, max_batch, args.max_context)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    report = explain_infer_oom(source.config, sizes, detect_budgets(args.max_memory, args.offload_dir),
+                               placement_mode(args.device_map), failure, offload_dir=args.offload_dir,
+                               max_batch_flag=args.func is cmd_serve, gpus=gpus)
+    print(f"llmsplit: {'generate' if args.func is cmd_generate else 'serve'} failed: {report['text']}\n"
+          f"hint: add one of the flags above to the same command", file=sys.stderr)
+    return 1
+
+
 # ---------------------------------------------------------------- serve
 
 def cmd_serve(args) -> int:
-    from .infer.placement import parse_size
+    import torch
+
+    from .infer.placement import PlacementError, parse_size
 
     try:
         from .infer.server import serve
     except ImportError as e:
         raise ConfigError(f"llmsplit serve needs the [serve] extra ({e.name} is missing): "
                           f"pip install 'llmsplit[serve]'") from None
-    serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
-          max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
-          drain_timeout=args.drain_timeout, device_map=args.device_map, max_memory=args.max_memory,
-          offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=args.max_batch,
-          max_context=args.max_context)
+    failure = None
+    try:
+        serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
+              max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
+              drain_timeout=args.drain_timeout, device_map=args.device_map, max_memory=args.max_memory,
+              offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=args.max_batch,
+              max_context=args.max_context)
+    except (PlacementError, torch.OutOfMemoryError) as e:  # raised while loading, before serving starts
+        failure = _infer_failure(e, "loading the model")
+    if failure is not None:
+        return _explain_infer_oom(args, args.max_batch, *failure)
     return 0
 
 

@@ -119,3 +119,122 @@ def explain_oom(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
         lines.append(f"no change of one or two keys fits; {smallest_fit_advice(model_cfg, work, world, dev)}")
     return {"text": "\n".join(lines), "breakdown": bd, "scale": scale,
             "suggestions": [set_args(base, new) for new, _ in found]}
+
+
+# ---------------------------------------------------------------- generate / serve
+
+INFER_TERMS = ("weights", "kv_cache", "workspace", "staging", "reserve")
+
+
+def infer_failure_from_cuda(error: BaseException, where: str) -> dict:
+    """A CUDA out-of-memory error at load or generation time, as `explain_infer_oom` reads it:
+    the device named in torch's message (else the one that allocated most), the allocator's
+    peak there and the device's total memory."""
+    import re
+
+    import torch
+
+    m = re.search(r"GPU (\d+)", str(error))
+    n = torch.cuda.device_count()
+    index = int(m.group(1)) if m else max(range(n), key=torch.cuda.max_memory_allocated)
+    return {"device": f"cuda:{index}", "peak_bytes": torch.cuda.max_memory_allocated(index),
+            "limit_bytes": torch.cuda.get_device_properties(index).total_memory, "where": where}
+
+
+def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dict | None, *, offload_dir,
+                      max_batch_flag: bool, gpus: int = 0) -> dict:
+    """Why a model does not fit for generation and the one-flag changes that would.
+
+    `sizes`/`budgets`/`mode` are what `infer.placement.place` was given; `failure` is None when
+    placement refused the budgets before loading, else a measured CUDA stop
+    (`infer_failure_from_cuda`). Every suggestion is checked by `place` itself on the same
+    budgets (shrunk by measured/predicted for a measured stop, less MARGIN), so applying it
+    makes the load fit. Returns {"text", "breakdown", "scale", "suggestions": [[flag, value], ...]}."""
+    from ..infer.distributed import check_split
+    from ..infer.placement import MODES, PlacementError, _usage, fmt_bytes, kind, place, units
+
+    dev_of = lambda b: next((d for d in b if kind(d) not in ("cpu", "disk")), "cpu")  # noqa: E731
+    exec_device = dev_of(budgets)
+    whole = _usage(cfg, {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}, exec_device, sizes)[exec_device]
+    scale = 1.0
+    if failure is not None:
+        try:
+            seen = place(cfg, budgets, mode, sizes).usage.get(failure["device"], {}).get("total", 0)
+        except PlacementError:
+            seen = 0
+        scale = max(1.0, failure["peak_bytes"] / seen) if seen else 1.0
+
+    def shrunk(b: dict) -> dict:
+        return {d: (None if v is None else int(v * (1 - MARGIN) / (scale if kind(d) not in ("cpu", "disk") else 1)))
+                for d, v in b.items()}
+
+    def fits(s, b=budgets, m=mode) -> bool:
+        try:
+            place(cfg, shrunk(b), m, s)
+            return True
+        except PlacementError:
+            return False
+
+    found: list[tuple[str, str, str]] = []  # (flag, value, what it costs)
+    for value in _halvings(sizes.context, 16):
+        if fits(replace(sizes, context=value)):
+            found.append(("--max-context", str(value), f"prompt + generated text limited to {value} tokens"))
+            break
+    if max_batch_flag:
+        for value in _halvings(sizes.batch, 1):
+            if fits(replace(sizes, batch=value)):
+                found.append(("--max-batch", str(value), f"{value} sequences decoded together"))
+                break
+    accel_budgets = [v for d, v in budgets.items() if kind(d) not in ("cpu", "disk") and v is not None]
+    if gpus > 1 and accel_budgets:
+        from ..plan.hardware import local_device
+        from ..plan.layout import Layout, Workload
+        from ..plan.memory import inference_memory
+
+        work = Workload(sizes.context, sizes.batch, {4: "fp32", 2: "bf16"}.get(sizes.dtype_bytes, "bf16"), "infer")
+        device = replace(local_device(gpus), memory_bytes=min(accel_budgets))
+        for n in (k for k in (2, 4, 8) if k <= gpus):
+            for flag, lay in (("--tp", Layout(tp=n)), ("--pp", Layout(pp=n))):
+                try:
+                    check_split(cfg, lay.tp, lay.pp)
+                except Exception:
+                    continue
+                if inference_memory(cfg, lay, work, device).total * scale <= (1 - MARGIN) * device.memory_bytes:
+                    found.append((flag, str(n), f"{n} GPUs, one worker each"))
+            if any(f in ("--tp", "--pp") for f, _, _ in found):
+                break
+    if offload_dir is None and (isinstance(mode, str) and mode in MODES) and fits(sizes, {**budgets, "disk": None}):
+        found.append(("--offload-dir", "DIR", "layers that fit in no memory budget are read from disk, one at a "
+                                              "time (slow)"))
+    if sizes.dtype_bytes == 4 and fits(replace(sizes, dtype_bytes=2, kv_dtype_bytes=2)):
+        found.append(("--dtype", "bf16", "half the bytes for weights and KV cache; results differ slightly"))
+
+    shown = {d: v for d, v in budgets.items() if d != "disk"}
+    head = (f"out of memory on {failure['device']} while {failure['where']}: the allocator peaked at "
+            f"{fmt_bytes(failure['peak_bytes'])} of {fmt_bytes(failure['limit_bytes'])}" if failure else
+            "out of memory: the model does not fit the memory budgets (" +
+            ", ".join(f"{d} {fmt_bytes(v)}" for d, v in shown.items()) + ")")
+    lines = [head, f"what generation needs, all on {exec_device} ({sizes.batch} × {sizes.context} tokens of KV "
+                   f"cache, {sizes.dtype_bytes}-byte weights):"]
+    lines += [f"  {term:<10} {fmt_bytes(whole[term]):>11}" for term in INFER_TERMS
+              if whole[term] or term in ("weights", "kv_cache", "workspace")]
+    lines.append(f"  {'total':<10} {fmt_bytes(whole['total']):>11}")
+    if scale > 1.0:
+        lines.append(f"(the run measured {scale:.2f}× what placement predicts on {failure['device']}; the "
+                     f"suggestions allow for that)")
+    if found:
+        lines.append("changes that fit (each checked by the placement, with a margin):")
+        lines += [f"  {flag + ' ' + value:<20} # {why}" for flag, value, why in found]
+    else:
+        lines.append("no change of one flag fits; raise --max-memory (or use a machine with more memory)")
+    return {"text": "\n".join(lines), "breakdown": {k: whole[k] for k in (*INFER_TERMS, "total")}, "scale": scale,
+            "suggestions": [[flag, value] for flag, value, _ in found]}
+
+
+def _halvings(start: int, floor: int) -> list[int]:
+    """start/2, start/4, ... down to floor: the largest smaller value that fits comes first."""
+    out, v = [], start // 2
+    while v >= floor:
+        out.append(v)
+        v //= 2
+    return out

@@ -65,17 +65,33 @@ class LoadedModel:
         self._finalizer()
 
 
+def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16):
+    """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
+    out-of-memory explainer (`diagnose/oom.py`) explains with."""
+    from ..models.llama import dynamic_rope_limit
+
+    # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
+    dynamic = dynamic_rope_limit(source.config.rope_scaling) is not None
+    max_context = (max_context or 4096) if dynamic else min(max_context or 4096, source.config.max_seq_len)
+    if max_batch < 1 or max_context < 2 or block_size < 1:
+        raise ConfigError(f"max_batch {max_batch}, max_context {max_context} and block_size {block_size} "
+                          f"must be positive (max_context at least 2)")
+    dtype = _dtype(dtype, source.dtype if torch.cuda.is_available() else torch.float32)
+    return dtype, Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize,
+                        kv_dtype_bytes=dtype.itemsize)
+
+
+def placement_mode(device_map):
+    mode = device_map if isinstance(device_map, dict) else (device_map or "auto")
+    return {"": mode} if isinstance(mode, str) and mode not in MODES else mode
+
+
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16) -> LoadedModel:
     source = open_weights(path, what="model path")
     cfg = source.config
-    max_context = min(max_context or 4096, cfg.max_seq_len)
-    if max_batch < 1 or max_context < 2 or block_size < 1:
-        raise ConfigError(f"max_batch {max_batch}, max_context {max_context} and block_size {block_size} "
-                          f"must be positive (max_context at least 2)")
-    gpus = torch.cuda.is_available()
-    dtype = _dtype(dtype, source.dtype if gpus else torch.float32)
-    sizes = Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize, kv_dtype_bytes=dtype.itemsize)
+    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size)
+    max_context = sizes.context
     # The pool holds max_batch full contexts, which is what placement budgeted for.
     num_blocks = max_batch * -(-max_context // block_size)
     if tp > 1 or pp > 1:
@@ -88,10 +104,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         placement = None
     else:
         budgets = detect_budgets(max_memory, offload_dir)
-        mode = device_map if isinstance(device_map, dict) else (device_map or "auto")
-        if isinstance(mode, str) and mode not in MODES:
-            mode = {"": mode}
-        placement = place(cfg, budgets, mode, sizes)
+        placement = place(cfg, budgets, placement_mode(device_map), sizes)
         if "disk" in placement.device_map.values() and offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
