@@ -52,19 +52,46 @@ def test_local_device_names_the_catalogue_gpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_auto_runs_the_planners_layout_and_the_run_is_checked_against_the_plan(tmp_path):
-    proc = train(tmp_path / "run", *TINY, nproc=2, extra=("--auto",), timeout=240)
-    cfg = load_config(None, TINY)
+def test_auto_runs_the_planners_layout_and_confirms_the_micro_batch_by_trial(tmp_path):
+    """With memory.limit_bytes (as on a GPU) the workers try micro-batches from the
+    planner's upward; under a generous limit the largest, the whole per-rank batch, fits."""
+    limit = ("--set", f"memory.limit_bytes={4 << 30}")
+    proc = train(tmp_path / "run", *TINY, nproc=2, extra=("--auto", *limit), timeout=240)
+    cfg = load_config(None, [*TINY, f"memory.limit_bytes={4 << 30}"])
     want, best = auto_config(cfg, model_config(cfg, 258), 2, get_device("cpu", 2))
     assert "--auto chose" in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for key in ("dp", "zero", "tp", "pp"):
         assert summary["layout"][key] == best["layout"][key], key
+    per_rank = cfg.train.global_batch // best["layout"]["dp"]
+    trials = [line for line in proc.stderr.splitlines() if "--auto trial" in line]
+    assert f"micro_batch={best['layout']['micro_batch']}:" in trials[0] and trials[-1].endswith("fits"), trials
     written = load_config(tmp_path / "run" / "config.toml")
-    assert written.train.micro_batch == best["layout"]["micro_batch"]
+    assert written.train.micro_batch == per_rank  # the trial's choice is what ran (and what a resume reads)
     assert written.memory.activation_checkpoint == best["layout"]["activation_checkpoint"]
     check = summary["plan_check"]
     for key in ("predicted_model_state_bytes", "measured_model_state_bytes", "predicted_peak_bytes",
                 "measured_peak_bytes", "ratio_model_state", "ratio_peak"):
         assert check[key] > 0, key
     assert check["ratio_model_state"] == pytest.approx(1.0, rel=0.03)
+
+
+def test_micro_batch_search_goes_up_from_the_prediction_and_down_when_it_does_not_fit():
+    from llmsplit.train.batch_trial import candidates, search
+
+    options = candidates(12)
+    assert options == [1, 2, 3, 4, 6, 12]
+    tried = []
+
+    def fits_up_to(n):
+        def fits(mb):
+            tried.append(mb)
+            return mb <= n
+        return fits
+
+    assert search(2, options, fits_up_to(6)) == 6 and tried == [2, 3, 4, 6, 12]
+    tried.clear()
+    assert search(6, options, fits_up_to(3)) == 3 and tried == [6, 4, 3]
+    tried.clear()
+    assert search(12, options, fits_up_to(12)) == 12 and tried == [12]
+    assert search(4, options, fits_up_to(0)) is None

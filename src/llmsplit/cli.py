@@ -268,6 +268,8 @@ def _apply_auto(cfg, model_cfg, world: int, per_node: int):
 
     device = local_device(per_node)
     cfg, best = auto_config(cfg, model_cfg, world, device)
+    # On a GPU (or under memory.limit_bytes) the workers confirm the micro-batch by trial.
+    cfg.train.confirm_micro_batch = device.kind != "cpu" or cfg.memory.limit_bytes is not None
     lay = best["layout"]
     keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
     if lay["pp"] > 1:
@@ -297,9 +299,13 @@ def _explain_oom(message: str, cfg, model_cfg, world: int, per_node: int) -> boo
 
 def _plan_check(run_dir, cfg, model_cfg, world: int, per_node: int) -> None:
     """Record the planner's prediction next to what the run measured; warn when they differ."""
+    from .config import load_config
     from .diagnose.plan_check import check_run
+    from .io.run_dir import CONFIG_FILE
     from .plan.hardware import local_device
 
+    if cfg.train.confirm_micro_batch:  # --auto's trial may have changed it; the run's config says
+        cfg.train.micro_batch = load_config(Path(run_dir) / CONFIG_FILE).train.micro_batch
     check = check_run(run_dir, cfg, model_cfg, world, local_device(per_node))
     for warning in (check or {}).get("warnings", []):
         print(f"llmsplit: warning: {warning} (the plan is off for this layout; plan_check in summary.json)",

@@ -68,6 +68,9 @@ class TrainSection:
     compile: bool = False
     timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
     profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
+    # Set by `--auto` on a GPU or with memory.limit_bytes: try micro-batches from the planner's
+    # before step 1 and train with the largest that fits (train/batch_trial.py).
+    confirm_micro_batch: bool = False
 
 
 @dataclass

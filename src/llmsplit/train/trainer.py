@@ -37,7 +37,8 @@ from .entry import default_run_dir
 from .checkpoint import load_checkpoint, save_checkpoint
 from .hangs import HangReporter
 from .init_from import load_pretrained
-from .limits import check_memory_limit, from_device_oom
+from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
+from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .profile import StepProfiler, report as profile_report
 from .progress import Progress, print_summary
@@ -144,7 +145,6 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
 
     t = cfg.train
     per_rank = t.global_batch // dp_size
-    n_micro = per_rank // t.micro_batch
     tokens_per_step = t.global_batch * cfg.data.seq_len
     denominator = per_rank * cfg.data.seq_len  # tokens of this data-parallel rank's batch
     amp_dtype = autocast_dtype(cfg.parallel.zero, t.precision)
@@ -158,6 +158,31 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
     history, held = [], None
     first_loss = None
 
+    def forward_backward(batch: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        """One step's forward and backward over the rank's batch in micro-batches."""
+        n_micro = per_rank // micro_batch
+        loss_sum = torch.zeros((), device=device)
+        for i in range(n_micro):
+            mb = batch[i * micro_batch:(i + 1) * micro_batch]
+            inputs, targets = mb[:, :-1], mb[:, 1:]
+            # Gradients are averaged across ranks only on the last micro-batch.
+            sync = no_grad_sync(model) if i < n_micro - 1 else nullcontext()
+            amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+            with sync, _loss_context(sharded_loss):
+                with amp:
+                    logits = model(inputs)
+                loss = token_loss(logits, targets, denominator)
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += _plain(loss.detach())
+        return loss_sum
+
+    micro_batch = t.micro_batch
+    if t.confirm_micro_batch and pipe is None and start_step == 0:
+        hangs.where = "the --auto micro-batch trial"
+        micro_batch = _confirm_micro_batch(cfg, device, per_rank, plain, optimizer, sampler, dp_rank, dp_size,
+                                           forward_backward)
+        if rank0:  # a resume, and the plan check, read the micro-batch the run really used
+            (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
     profiler = StepProfiler(t.profile_steps, start_step, t.steps, run_dir, rank)
     reset_peak_memory(device)
     for step in range(start_step + 1, t.steps + 1):
@@ -169,22 +194,7 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sampler.rank_batch(step - 1, dp_rank, dp_size).to(device)
-        if pipe is not None:
-            loss_sum = pipe.step(batch, amp_dtype)
-        else:
-            loss_sum = torch.zeros((), device=device)
-            for i in range(n_micro):
-                mb = batch[i * t.micro_batch:(i + 1) * t.micro_batch]
-                inputs, targets = mb[:, :-1], mb[:, 1:]
-                # Gradients are averaged across ranks only on the last micro-batch.
-                sync = no_grad_sync(model) if i < n_micro - 1 else nullcontext()
-                amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
-                with sync, _loss_context(sharded_loss):
-                    with amp:
-                        logits = model(inputs)
-                    loss = token_loss(logits, targets, denominator)
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += _plain(loss.detach())
+        loss_sum = pipe.step(batch, amp_dtype) if pipe is not None else forward_backward(batch, micro_batch)
         if pm.manual_grad_group is not None:
             allreduce_gradients(plain.parameters(), pm.manual_grad_group)
         if scaler:
@@ -245,6 +255,26 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
     if profile_rows is not None:
         profile_report(profile_rows, summary, run_dir)
     return summary
+
+
+def _confirm_micro_batch(cfg: Config, device: torch.device, per_rank: int, plain, optimizer, sampler, dp_rank: int,
+                         dp_size: int, forward_backward) -> int:
+    """`--auto`'s trial (train/batch_trial.py) on the first step's batch; the run then trains
+    with the micro-batch found, and the summary's config says which."""
+    limit = memory_limit(cfg.memory.limit_bytes, device)
+    if limit is None:
+        return cfg.train.micro_batch
+    batch = sampler.rank_batch(0, dp_rank, dp_size).to(device)
+    moments = 0 if cfg.memory.offload != "none" else moment_bytes(plain.parameters())
+    chosen = confirm_micro_batch(cfg.train.micro_batch, per_rank, limit, device, moments,
+                                 lambda mb: forward_backward(batch, mb),
+                                 lambda: optimizer.zero_grad(set_to_none=True))
+    if chosen is None:
+        raise MemoryLimitExceeded(dist.get_rank(), peak_memory_bytes(device), limit,
+                                  "memory.limit_bytes" if cfg.memory.limit_bytes is not None else "device memory",
+                                  "the --auto micro-batch trial (micro_batch=1)")
+    cfg.train.micro_batch = chosen
+    return chosen
 
 
 def _resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path | None:
