@@ -13,9 +13,11 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import ddp, infer, serve
+from . import checkpointing, ddp, finetune, infer, model_parallel, offload, peers_train, serve
+from .plots import available as can_plot
 
-BENCHMARKS = {"ddp": ddp, "infer": infer, "serve": serve}
+BENCHMARKS = {"ddp": ddp, "peers": peers_train, "finetune": finetune, "model_parallel": model_parallel,
+              "checkpointing": checkpointing, "infer": infer, "offload": offload, "serve": serve}
 
 
 def machine() -> str:
@@ -33,6 +35,7 @@ def main(argv):
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default all: {', '.join(BENCHMARKS)})")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (used by the tests)")
     ap.add_argument("--out", default=None, help="markdown report to write (default: print only)")
+    ap.add_argument("--plots", default=None, help="folder for the PNG plots (default: FILE-plots/ next to --out)")
     args = ap.parse_args(argv)
     names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -44,6 +47,13 @@ def main(argv):
         mod = BENCHMARKS[name]
         result = mod.main(quick=args.quick)
         lines += [f"### {mod.TITLE}", "", f"Command: `python -m benchmarks {name}`", "", *mod.to_markdown(result), ""]
+        if args.out and hasattr(mod, "plot"):  # benchmarks that plot draw next to the report
+            plots = args.plots or os.path.splitext(args.out)[0] + "-plots"
+            if can_plot():
+                rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(args.out)))  # noqa: E731
+                lines += [f"![{name}]({rel(p)})" for p in mod.plot(result, plots)] + [""]
+            else:
+                lines += ["(plot skipped: matplotlib is missing; pip install 'llmsplit[plot]')", ""]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -69,6 +69,38 @@ def _time_transformers(hf, ids, new: int) -> float:
     return new / (time.perf_counter() - t0)
 
 
+def _kv_waste(model, quick: bool) -> dict:
+    """Generate 16 sequences of varied prompt and output lengths together and sample the
+    paged cache at every step: allocated − used tokens, against what a contiguous cache that
+    reserves the whole context per sequence (as a static cache does) would hold."""
+    import random
+
+    from llmsplit.infer.engine import SamplingParams
+
+    rng = random.Random(0)
+    engine, pool = model.engine, model.engine.pool
+    seqs = [engine.new_sequence([rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(4, 60))],
+                                SamplingParams(rng.randint(4, 16) if quick else rng.randint(16, 120), ignore_eos=True))
+            for _ in range(16)]
+    samples = []
+    step = pool.step
+
+    def sampled(ids, n):
+        samples.append(pool.usage())
+        return step(ids, n)
+    pool.step = sampled
+    try:
+        engine.generate(seqs)
+    finally:
+        del pool.step
+    allocated, used = map(sum, zip(*samples))
+    peak = max(samples)
+    return {"block_size": pool.block_size, "steps": len(samples), "waste": (allocated - used) / allocated,
+            "peak_waste": (peak[0] - peak[1]) / peak[0],
+            "contiguous_waste": 1 - used / (len(samples) * len(seqs) * engine.max_context),
+            "free_after": pool.free_blocks == pool.num_blocks}
+
+
 def main(quick: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -98,15 +130,17 @@ def main(quick: bool = False) -> dict:
                   file=sys.stderr)
         batched = {b: statistics.median(_time_ours(ours, [PROMPT] * b, new) for _ in range(rounds))
                    for b in (1, 4, 16)}
+        kv = _kv_waste(ours, quick)
         ours.close()
     result = {"model": label, "new_tokens": new, "rounds": rounds, "llmsplit": mine, "transformers": theirs,
               "llmsplit_tokens_per_s": statistics.median(mine), "transformers_tokens_per_s": statistics.median(theirs),
-              "batched_tokens_per_s": batched}
+              "batched_tokens_per_s": batched, "kv": kv}
     result["ratio"] = result["llmsplit_tokens_per_s"] / result["transformers_tokens_per_s"]
     return result
 
 
 def to_markdown(r: dict) -> list[str]:
+    kv = r["kv"]
     rows = [f"{r['model']}; batch 1, greedy, {r['new_tokens']} new tokens (EOS ignored), prefill included; "
             f"median of {r['rounds']} alternating rounds.", "",
             "| | tokens/s (median) | per round |", "| --- | ---: | --- |",
@@ -115,5 +149,20 @@ def to_markdown(r: dict) -> list[str]:
             f"{', '.join(f'{x:.1f}' for x in r['transformers'])} |",
             f"| **ratio** | **{r['ratio']:.2f}** | |", "",
             "llmsplit batched throughput (tokens/s over all sequences): "
-            + ", ".join(f"batch {b}: {v:.1f}" for b, v in r["batched_tokens_per_s"].items())]
+            + ", ".join(f"batch {b}: {v:.1f}" for b, v in r["batched_tokens_per_s"].items()), "",
+            f"KV cache waste (allocated − used, over the {kv['steps']} steps of 16 sequences of varied prompt and "
+            f"output lengths decoded together, blocks of {kv['block_size']} tokens): "
+            f"**{kv['waste']:.1%}** on average, {kv['peak_waste']:.1%} at the peak; a contiguous cache reserving "
+            f"the full context per sequence would waste {kv['contiguous_waste']:.1%}. Every block returned after: "
+            f"{'yes' if kv['free_after'] else 'NO'}."]
     return rows
+
+
+def plot(r: dict, out_dir) -> list:
+    from .plots import bars
+
+    b = r["batched_tokens_per_s"]
+    labels = ["transformers\nbatch 1", *[f"llmsplit\nbatch {n}" for n in b]]
+    values = [r["transformers_tokens_per_s"], *b.values()]
+    return [bars(Path(out_dir) / "inference.png", f"{r['model']}: decode, CPU, fp32",
+                 labels, [("tokens/s (all sequences)", values)])]

@@ -1,0 +1,174 @@
+"""Tensor and pipeline parallel on CPU workers, next to DDP and zero 3, and the pipeline
+bubble each schedule leaves against its theoretical figure.
+
+Every row is one `llmsplit train` run through the command line; tokens/s is the median
+over the steps after the first (which pays for warm-up and pipeline shape inference), and
+the per-rank peak memory and the bubble are what the run wrote to summary.json. The
+bubble sweep uses a smaller model than the throughput table so that its 15 runs fit the
+time budget: the bubble is a ratio of times, so the model size matters only through how
+large each micro-batch's compute is next to the fixed per-message costs.
+
+`python -m benchmarks.model_parallel [--quick]` runs it alone and draws
+docs/img/bubble.png; `python -m benchmarks model_parallel` includes it in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TITLE = "Model parallel: tensor and pipeline parallel vs DDP and zero 3, and the pipeline bubble"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+
+# ~101M parameters (16 × 6.3M per layer); 4 kv heads, so tp 4 needs no replication. A small
+# batch (4 × 32 tokens) keeps a step within seconds on 2 shared cores: enough to compare
+# layouts, not a throughput-optimal setting.
+BIG = ["model.dim=768", "model.n_layers=16", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_dim=2048",
+       "data.seq_len=32", "train.global_batch=4", "train.micro_batch=1"]
+# The bubble sweep's model (~25M): big enough that a stage's micro-batch takes ~0.1 s, so
+# the schedule's idle time, not gloo's per-message latency, is what gets measured.
+SMALL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=1376",
+         "data.seq_len=128", "train.micro_batch=2"]
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+        "data.seq_len=32", "train.micro_batch=2"]
+
+THROUGHPUT = [  # (label, workers, settings)
+    ("DDP", 2, []),
+    ("zero 3", 2, ["parallel.zero=3"]),
+    ("tp 2", 2, ["parallel.tp=2"]),
+    *[(f"pp 2 {s}", 2, ["parallel.pp=2", f"parallel.pp_schedule={s}"]
+       + (["parallel.pp_virtual_stages=2"] if s == "interleaved_1f1b" else [])) for s in SCHEDULES],
+    ("DDP", 4, []),
+    ("zero 3", 4, ["parallel.zero=3"]),
+    ("tp 4", 4, ["parallel.tp=4"]),
+    ("tp 2 × pp 2 (1f1b)", 4, ["parallel.tp=2", "parallel.pp=2"]),
+]
+
+
+def _schedule_sets(schedule: str) -> list[str]:
+    extra = ["parallel.pp_virtual_stages=2"] if schedule == "interleaved_1f1b" else []
+    return ["parallel.pp=2", f"parallel.pp_schedule={schedule}", *extra]
+
+
+def run(run_dir: Path, nproc: int, sets: list[str], steps: int) -> dict:
+    """One training run; what summary.json and metrics.jsonl say about it."""
+    # One thread per worker: more would oversubscribe the cores and time the contention.
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = [a for s in (*sets, f"train.steps={steps}", "train.warmup_steps=1", "checkpoint.every=0")
+            for a in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "llmsplit", "train", "--nproc", str(nproc), "--run-dir",
+                           str(run_dir), *args], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llmsplit train {' '.join(sets)} failed:\n{proc.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    return {"tokens_per_s": statistics.median(tps[1:] or tps),
+            "peak_per_rank_mib": [r["peak_mem_bytes"] / 2**20 for r in summary["per_rank"]],
+            "param_per_rank_mib": [r["param_bytes"] / 2**20 for r in summary["per_rank"]],
+            "params": summary["params"], "pipeline": summary.get("pipeline")}
+
+
+def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble")) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if quick:  # one tiny pipeline run: the code path, not a measurement
+            throughput, ms, model = [("pp 2 1f1b", 2, _schedule_sets("1f1b"))], [], TINY
+            sweep = [("1f1b", 2)]
+            steps = 2
+        else:
+            throughput, ms, model, steps = THROUGHPUT, [2, 4, 8], SMALL, 4
+            sweep = [(s, m) for m in ms for s in SCHEDULES] if "bubble" in parts else []
+            throughput = throughput if "throughput" in parts else []
+        table = []
+        for i, (label, nproc, sets) in enumerate(throughput if not quick else []):
+            r = run(tmp / f"t{i}", nproc, [*BIG, *sets], steps=3)
+            table.append({"label": label, "workers": nproc, **r})
+            print(f"{label} ({nproc} workers): {r['tokens_per_s']:.0f} tokens/s, peak "
+                  f"{max(r['peak_per_rank_mib']):.0f} MiB", file=sys.stderr)
+        bubbles = []
+        for i, (schedule, m) in enumerate(sweep):
+            mb = 2
+            r = run(tmp / f"b{i}", 2, [*model, *_schedule_sets(schedule), f"train.global_batch={m * mb}"], steps)
+            p = r["pipeline"]
+            bubbles.append({"schedule": schedule, "m": m, "measured": p["measured_bubble"],
+                            "theory": p["theoretical_bubble"], "busy_per_rank": p["busy_fraction_per_rank"],
+                            "tokens_per_s": r["tokens_per_s"]})
+            print(f"bubble {schedule} m={m}: measured {p['measured_bubble']:.3f} theory "
+                  f"{p['theoretical_bubble']:.3f}", file=sys.stderr)
+    return {"quick": quick, "throughput": table, "bubbles": bubbles, "bubble_model": model,
+            "big_params": table[0]["params"] if table else None}
+
+
+def to_markdown(r: dict) -> list[str]:
+    lines = []
+    if r["throughput"]:
+        lines += [f"{r['big_params'] / 1e6:.0f}M-parameter model, fp32, batch 4 × 32 tokens, gloo CPU workers "
+                  "(one thread each); tokens/s: median of steps 2..3; peak: summary.json's per-rank peak.", "",
+                  "| layout | workers | tokens/s | peak per rank (MiB) | weights per rank (MiB) "
+                  "| bubble (measured / theory) |",
+                  "| --- | ---: | ---: | --- | --- | --- |"]
+        for t in r["throughput"]:
+            p = t["pipeline"]
+            bubble = f"{p['measured_bubble']:.2f} / {p['theoretical_bubble']:.2f}" if p else ""
+            lines.append(f"| {t['label']} | {t['workers']} | {t['tokens_per_s']:.0f} | "
+                         f"{', '.join(f'{x:.0f}' for x in t['peak_per_rank_mib'])} | "
+                         f"{', '.join(f'{x:.0f}' for x in t['param_per_rank_mib'])} | {bubble} |")
+        lines.append("")
+    lines += ["Pipeline bubble, pp 2 (measured: 1 − busy/step time averaged over ranks, steps after the first):", "",
+              "| schedule | m | measured | theory | measured ÷ theory | busiest rank's bubble | busy per rank |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for b in r["bubbles"]:
+        # The busiest rank is the one the step waits for: its idle time is the schedule's
+        # bubble proper; the others add the idle time of a lighter stage (imbalance).
+        lines.append(f"| {b['schedule']} | {b['m']} | {b['measured']:.3f} | {b['theory']:.3f} | "
+                     f"{b['measured'] / b['theory']:.2f} | {1 - max(b['busy_per_rank']):.3f} | "
+                     f"{', '.join(f'{x:.2f}' for x in b['busy_per_rank'])} |")
+    return lines
+
+
+def plot(r: dict, folder: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not r["bubbles"]:
+        return []
+    os.makedirs(folder, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, s in enumerate(dict.fromkeys(b["schedule"] for b in r["bubbles"])):
+        rows = sorted((b for b in r["bubbles"] if b["schedule"] == s), key=lambda b: b["m"])
+        color = f"C{i}"
+        ax.plot([b["m"] for b in rows], [b["measured"] for b in rows], "o-", color=color, label=f"{s} measured")
+        ax.plot([b["m"] for b in rows], [b["theory"] for b in rows], "x--", color=color, alpha=0.6,
+                label=f"{s} theory")
+        ax.plot([b["m"] for b in rows], [1 - max(b["busy_per_rank"]) for b in rows], "^:", color=color, alpha=0.6,
+                label=f"{s} busiest rank")
+    ax.set_xlabel("micro-batches m (pp = 2)")
+    ax.set_ylabel("bubble (idle fraction)")
+    ax.set_xscale("log", base=2)
+    ax.set_title("Pipeline bubble: measured vs theory")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = os.path.join(folder, "bubble.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    # `--only bubble` / `--only throughput`: one half, when the machine's time is short.
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    result = main(quick=quick, parts=(only,) if only else ("throughput", "bubble"))
+    out = Path(os.environ.get("MP_BENCH_OUT", "/tmp/model_parallel_bench.json"))
+    out.write_text(json.dumps(result, indent=1))
+    print("\n".join(to_markdown(result)))
+    if not quick and result["bubbles"]:
+        print(plot(result, str(Path(__file__).parent.parent / "docs" / "img")))
