@@ -60,9 +60,21 @@ def run_one(lay: dict, dry: bool, run_dir: Path) -> dict:
     model_cfg = model_config(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
     validate(cfg, 1, model_cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
     record_model_sizes(cfg, model_cfg)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+    # A one-rank "torchrun" environment for this process only while the run lasts: left behind,
+    # it would make every later llmsplit command started from this process (the test suite's)
+    # believe it runs under torchrun.
+    launch_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    train_worker(to_toml(cfg), str(run_dir))
+    saved = {k: os.environ.get(k) for k in launch_env}
+    os.environ.update(launch_env)
+    try:
+        train_worker(to_toml(cfg), str(run_dir))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     device = local_device(1)
     check = check_run(run_dir, cfg, model_cfg, 1, device)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

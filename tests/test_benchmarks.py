@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,4 @@ def test_gpu_script_refuses_a_machine_without_cuda_and_dry_runs_on_the_cpu(capsy
         tokens_per_s, mfu = float(row.split("|")[3]), float(row.split("|")[4].strip(" %"))
         assert tokens_per_s > 0 and 0 < mfu < 100
     assert not (tmp_path / "b.md").exists()  # a dry run appends nothing
+    assert "RANK" not in os.environ  # the in-process run leaves no torchrun environment behind
