@@ -4,7 +4,16 @@ failed, against the limit it broke, and the smallest changes the planner says wo
 The planner's number for the failed layout is compared with the peak the run measured;
 when the run measured more, the planner under-estimates on this machine, and every
 suggestion is scaled up by the same ratio before it is said to fit, so a suggestion is
-not one that only fits on paper; each must also leave MARGIN of the limit free.
+not one that only fits on paper; each must also leave a margin of the limit free.
+
+Two things widen that margin, both measured on 2 CPU workers (tiny model, seq 256):
+- a CPU peak is the process's resident peak: the same run measures up to ~8% apart from
+  one try to the next (562 and 606 MiB for one config), and it still grows after the first
+  step, where a run over its limit stops (micro_batch=16: 716 MiB at step 1, 783 by step
+  4; the allocator keeps what it freed), so CPU_MARGIN > MARGIN;
+- the measured ratio belongs to the layout that failed; one that changes tp or pp runs
+  other collectives and keeps other activations, and its own ratio differs (dp=2 measured
+  1.05-1.13x the prediction, tp=2 1.28x), so such a change needs LAYOUT_CHANGE_FACTOR more.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ from ..plan.layout import Layout
 from ..plan.search import Candidate, evaluate, host_budget, single_changes, smallest_fit_advice
 
 MiB, GiB = 1 << 20, 1 << 30
-MARGIN = 0.08  # of the limit, left free by every suggestion
+MARGIN = 0.08  # of the limit, left free by every suggestion (allocator peaks: GPUs)
+CPU_MARGIN = 0.20  # resident-set peaks on a CPU vary from run to run and grow after step 1
+LAYOUT_CHANGE_FACTOR = 1.15  # a suggestion that changes tp or pp: the ratio transfers less well
 TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "overhead")
 _SECTION = {"micro_batch": "train", "activation_checkpoint": "memory", "offload": "memory"}
 
@@ -57,6 +68,7 @@ def suggestions(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
     """Layouts one or two keys away from the config's that `llmsplit train` runs and that
     fit `device` (after `scale`), fewest keys first, then fastest first."""
     base, work = layout_of_config(cfg, world), workload_of_config(cfg)
+    margin = CPU_MARGIN if device.kind == "cpu" else MARGIN
     options: dict[Layout, int] = {}
     for _, one in single_changes(base, model_cfg, work, device):
         options.setdefault(one, 1)
@@ -68,9 +80,11 @@ def suggestions(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
             continue
         cand = evaluate(model_cfg, lay, work, device)
         needs = cand.memory.total + (scale - 1) * seen_bytes(cand.memory.total, device)
+        if (lay.tp, lay.pp) != (base.tp, base.pp):
+            needs *= LAYOUT_CHANGE_FACTOR
         # A change that fits only just is no answer to an out-of-memory stop: peaks vary
         # from step to step and the planner is an estimate, so keep a margin.
-        if needs <= (1 - MARGIN) * device.memory_bytes and cand.memory.host <= host_budget(device) and \
+        if needs <= (1 - margin) * device.memory_bytes and cand.memory.host <= host_budget(device) and \
                 runnable(cfg, model_cfg, lay, world):
             fitting.append((keys, -cand.cost.tokens_per_s, lay, cand))
     fitting.sort(key=lambda f: f[:2])
