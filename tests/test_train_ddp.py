@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from llmsplit.launch import free_port
+from llmsplit.launch import _root_failure, free_port, start_method
 
 from helpers import TINY, assert_close_losses, losses, run_cli, train
 
@@ -110,6 +110,21 @@ def test_a_failing_worker_is_reported_with_its_rank(tmp_path):
     proc = train(tmp_path / "run", *TINY, nproc=2, check=False, env={"LLMSPLIT_FAULT": "1:2"})
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "training failed: worker rank 1" in proc.stderr and "hint:" in proc.stderr
+
+
+def test_the_rank_that_failed_is_named_not_the_one_that_saw_its_peer_go(monkeypatch):
+    from types import SimpleNamespace as F
+
+    gone = F(message="RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:7076", exitcode=1,
+             timestamp=10)
+    own = F(message={"message": "Traceback ...\nRuntimeError: fault injected"}, exitcode=1, timestamp=11)
+    assert _root_failure({0: gone, 1: own}) == (1, "RuntimeError: fault injected")
+    assert _root_failure({0: gone}) == (0, gone.message)  # nothing better to name
+    # Only the llmsplit program, which never ran a multi-threaded op, forks its workers.
+    monkeypatch.delenv("LLMSPLIT_START_METHOD", raising=False)
+    assert start_method() == "spawn"
+    monkeypatch.setenv("LLMSPLIT_START_METHOD", "fork")
+    assert start_method() == "fork"
 
 
 def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path):

@@ -19,6 +19,7 @@ EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime fai
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.program = argv is None  # the `llmsplit` program itself, not a call from Python
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -173,11 +174,14 @@ def cmd_train(args) -> int:
     from .data.corpus import check_source
     from .io.run_dir import CONFIG_FILE, METRICS_FILE, checkpoint_dir, newest_checkpoint, resolve_checkpoint
     from .io.tokenizer import load_tokenizer
-    from .launch import LaunchError, check_master_addr, default_nproc, launch, under_torchrun
+    from .launch import (LaunchError, check_master_addr, claim_process_for_launching, default_nproc, launch,
+                         under_torchrun)
     from .train.limits import MemoryLimitExceeded
     from .train.entry import default_run_dir, run_worker
 
     torchrun = under_torchrun()
+    if getattr(args, "program", False) and not torchrun:
+        claim_process_for_launching()  # before anything here computes
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be at least 1")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:

@@ -53,6 +53,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_fork_safe = False
+
+
+def claim_process_for_launching() -> None:
+    """Called by the `llmsplit train` program before it computes anything: this process only
+    plans and launches, so it keeps to one thread. No OpenMP team is ever started in it, and
+    its workers may then be forked (see start_method)."""
+    global _fork_safe
+    torch.set_num_threads(1)
+    _fork_safe = True
+
+
+def start_method() -> str:
+    """How the launcher starts its workers. `spawn` (torchrun's way) imports torch afresh in
+    every worker: ~3 s each, so a 1-step run on 2 workers took 8.5 s and on 4 workers 11.4 s
+    on a 2-core machine; `fork` copies this process, torch already loaded (4.9 s and 5.0 s).
+    Fork only where that is safe: without CUDA (a forked child cannot use CUDA once the
+    parent touched it) and from a process that never ran a multi-threaded op, which only the
+    `llmsplit` program can promise (claim_process_for_launching): an OpenMP team that ran
+    before the fork hangs the child's first parallel op (checked: a 2-thread matmul in the
+    parent, then one in the child). `LLMSPLIT_START_METHOD` overrides."""
+    chosen = os.environ.get("LLMSPLIT_START_METHOD")
+    if chosen:
+        if chosen not in ("spawn", "fork", "forkserver"):
+            from .config import ConfigError
+
+            raise ConfigError(f"LLMSPLIT_START_METHOD={chosen!r} is not one of spawn, fork, forkserver; "
+                              f"unset it or pick one")
+        return chosen
+    return "fork" if _fork_safe and not torch.cuda.is_available() else "spawn"
+
+
+def _small_mmap_threshold() -> None:
+    """glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
+    which FSDP's per-step gather/scatter buffers come from the heap, fragment it and are never
+    returned: a zero-3 worker's resident peak measured 1.38× its live tensors. A fixed 4 MiB
+    threshold keeps big tensors in their own mappings (freed at once) and small activations on
+    the fast heap: zero 2 peak 950 → 806 MiB at the same step time. Spawned workers read it
+    from the environment at start-up; forked ones inherit this process's allocator, so it is
+    set here too. A value the user exported is left alone."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(4 << 20)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+# What the other ranks report once one rank has died: the peer's connection closed under
+# them. Naming such a rank would hide the one that failed first.
+_PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+              "communicator was aborted")
+
+
+def _root_failure(failures: dict) -> tuple[int, str]:
+    """(rank, last line of its error) of the worker that failed first, preferring one whose
+    error is its own over one that only saw a peer go away (the first to be noticed need
+    not be the first to fail)."""
+    def detail(failure) -> str:
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        last = [line for line in str(message).strip().splitlines() if line.strip()]
+        return last[-1] if last else f"exit code {failure.exitcode}"
+
+    ordered = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    own = [(rank, f) for rank, f in ordered if not any(s in detail(f) for s in _PEER_GONE)]
+    rank, failure = (own or ordered)[0]
+    return rank, detail(failure)
+
+
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
            timeout_s: float = 600.0) -> dict:
@@ -81,26 +153,19 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("LLMSPLIT_THREADS", os.environ["OMP_NUM_THREADS"])
-    # glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
-    # which FSDP's per-step gather/scatter buffers come from the heap, fragment it and are
-    # never returned: a zero-3 worker's resident peak measured 1.38× its live tensors. A
-    # fixed 4 MiB threshold keeps big tensors in their own mappings (freed at once) and
-    # small activations on the fast heap: zero 2 peak 950 → 806 MiB at the same step time.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
+    method = start_method()
+    _small_mmap_threshold()
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}",
         rdzv_backend="static", rdzv_endpoint=f"{master_addr}:{master_port}",
         rdzv_configs={"rank": node_rank, "timeout": int(max(1, timeout_s))},
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
     )
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        last = [line for line in str(message).strip().splitlines() if line.strip()]
-        detail = last[-1] if last else f"exit code {failure.exitcode}"
+        rank, detail = _root_failure(e.failures)
         raise LaunchError(f"worker rank {rank} failed: {detail}") from None
     except DistError as e:
         if nnodes == 1:
