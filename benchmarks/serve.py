@@ -92,7 +92,7 @@ def _load(url: str, clients: int, per_client: int, new: int) -> dict:
 
 
 def main(quick: bool = False) -> dict:
-    levels, per_client, new = ((1, 4), 1, 8) if quick else ((1, 8, 24), 2, 32)
+    levels, per_client, new = ((2,), 1, 8) if quick else ((1, 8, 24), 2, 32)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         gguf = None if quick else _smollm_gguf(tmp)

@@ -65,15 +65,20 @@ def test_runs_inside_torchrun(reference, tmp_path):
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
 
 
-def test_generate_from_a_run(reference):
-    a = run_cli("generate", "--model", str(reference), "Hello", "--max-new-tokens", "12")
-    b = run_cli("generate", "--model", str(reference / "checkpoints" / "step_6"), "Hello", "--max-new-tokens", "12")
-    assert a.stdout == b.stdout and a.stdout.endswith("\n")
-    s1 = run_cli("generate", "--model", str(reference), "Hi", "--temperature", "1.0", "--top-k", "20",
-                 "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "12")
-    s2 = run_cli("generate", "--model", str(reference), "Hi", "--temperature", "1.0", "--top-k", "20",
-                 "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "12", "--stream")
-    assert s1.stdout == s2.stdout
+def test_generate_from_a_run(reference, capsys):
+    """In this process (the command's code without four interpreter start-ups)."""
+    from llmsplit.cli import main
+
+    def generate(*args: str) -> str:
+        assert main(["generate", *args]) == 0
+        return capsys.readouterr().out
+
+    a = generate("--model", str(reference), "Hello", "--max-new-tokens", "12")
+    b = generate("--model", str(reference / "checkpoints" / "step_6"), "Hello", "--max-new-tokens", "12")
+    assert a == b and a.endswith("\n")
+    sampled = ["--model", str(reference), "Hi", "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9",
+               "--seed", "5", "--max-new-tokens", "12"]
+    assert generate(*sampled) == generate(*sampled, "--stream")
 
 
 def test_python_api_generates_the_cli_greedy_tokens(reference):

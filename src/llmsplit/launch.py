@@ -106,7 +106,7 @@ def _small_mmap_threshold() -> None:
 
 # What the other ranks report once one rank has died: the peer's connection closed under
 # them. Naming such a rank would hide the one that failed first.
-_PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
               "communicator was aborted")
 
 
@@ -120,7 +120,7 @@ def _root_failure(failures: dict) -> tuple[int, str]:
         return last[-1] if last else f"exit code {failure.exitcode}"
 
     ordered = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    own = [(rank, f) for rank, f in ordered if not any(s in detail(f) for s in _PEER_GONE)]
+    own = [(rank, f) for rank, f in ordered if not any(s in detail(f) for s in PEER_GONE)]
     rank, failure = (own or ordered)[0]
     return rank, detail(failure)
 

@@ -7,6 +7,7 @@ about 1.5 s per launch), which only the workers need.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -16,9 +17,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record
 def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
     """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
+    from ..launch import PEER_GONE
     from .trainer import train_worker
 
-    return train_worker(config_text, run_dir, resume)
+    try:
+        return train_worker(config_text, run_dir, resume)
+    except RuntimeError as e:
+        if any(s in str(e) for s in PEER_GONE):
+            # Another rank died and took the connection with it. The launcher reports the
+            # first failure it notices, so give the rank that failed first a head start.
+            time.sleep(2)
+        raise
 
 
 def default_run_dir(preset: str) -> Path:
