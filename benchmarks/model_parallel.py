@@ -83,7 +83,9 @@ def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble"))
             steps = 2
         else:
             throughput, ms, model, steps = THROUGHPUT, [2, 4, 8], SMALL, 4
-            sweep = [(s, m) for m in ms for s in SCHEDULES] if "bubble" in parts else []
+            # DualPipeV runs 2 stages per rank and needs m >= 2p micro-batches (refused below).
+            sweep = [(s, m) for m in ms for s in SCHEDULES if not (s == "dualpipev" and m < 4)] \
+                if "bubble" in parts else []
             throughput = throughput if "throughput" in parts else []
         table = []
         for i, (label, nproc, sets) in enumerate(throughput if not quick else []):

@@ -48,6 +48,8 @@ def test_explicit_sizes_override_the_preset():
     (["model.vocab_size=100"], 2, "model.vocab_size=100 is smaller than the tokenizer's 258 tokens"),
     (["model.preset=gpt5"], 2, "model.preset='gpt5' is not one of"),
     (["train.deterministic=maybe"], 2, "train.deterministic must be true or false"),
+    (["parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.global_batch=4",
+      "train.micro_batch=2"], 2, "2 micro-batches is fewer than the 4 stages of parallel.pp_schedule=\"dualpipev\""),
 ])
 def test_user_mistakes_are_one_clear_sentence(sets, world, fragment):
     with pytest.raises(ConfigError) as e:

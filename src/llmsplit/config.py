@@ -385,6 +385,10 @@ def _check_pipeline(cfg: Config) -> None:
     if n_micro < par.pp:
         raise ConfigError(f"{source} is fewer than parallel.pp={par.pp}: the schedule needs at least one micro-batch "
                           f"per stage; raise train.global_batch or lower train.micro_batch")
+    if par.pp_schedule == "dualpipev" and n_micro < 2 * par.pp:
+        # torch's DualPipeV refuses, at the first step, fewer micro-batches than its 2·pp stages.
+        raise ConfigError(f"{source} is fewer than the {2 * par.pp} stages of parallel.pp_schedule=\"dualpipev\" "
+                          f"(2 per rank); raise train.global_batch or lower train.micro_batch")
 
 
 def _check_offload_dir(path: str | None) -> None:
