@@ -88,27 +88,34 @@ def test_cli_refuses_bad_config_with_exit_2_before_any_worker(tmp_path, capsys, 
     assert not run_dir.exists()  # nothing written
 
 
-def test_cli_refuses_invalid_toml_a_bad_tokenizer_and_a_run_dir_that_is_a_file(tmp_path):
+def test_cli_refuses_invalid_toml_a_bad_tokenizer_and_a_run_dir_that_is_a_file(tmp_path, capsys):
+    from llmsplit.cli import main
+
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\nsteps = ")
     notok = tmp_path / "tokenizer.json"
     notok.write_text("{not a tokenizer}")
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for args, fragment in ([["--config", str(bad)], "is not valid TOML"],
-                           [["--set", f"data.tokenizer={notok}"], "is not a tokenizer.json"],
+    # The first through the real program (exit status and all), the others in this process.
+    proc = run_cli("train", "--config", str(bad), check=False, timeout=60)
+    assert proc.returncode == 2 and "is not valid TOML" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    for args, fragment in ([["--set", f"data.tokenizer={notok}"], "is not a tokenizer.json"],
                            [["--run-dir", str(a_file)], "is a file"]):
-        proc = run_cli("train", *args, check=False, timeout=60)
-        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        code = main(["train", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and fragment in err and "Traceback" not in err, err
     assert a_file.read_text() == "x"
 
 
-def test_existing_run_is_not_overwritten(tmp_path):
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    from llmsplit.cli import main
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("[train]\nsteps = 1\n")
-    proc = run_cli("train", "--run-dir", str(run_dir), check=False, timeout=60)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert main(["train", "--run-dir", str(run_dir)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
     assert (run_dir / "config.toml").read_text() == "[train]\nsteps = 1\n"
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml"]
 

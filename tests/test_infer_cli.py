@@ -36,13 +36,19 @@ def test_cli_prints_what_the_api_generates(folder, tmp_path):
     (["--model", "{folder}", "hi", "--tp", "3"], "--tp 3 does not divide"),
     (["--model", "{folder}", ""], "the prompt is empty"),
 ])
-def test_bad_input_is_one_sentence(folder, tmp_path, args, message):
+def test_bad_input_is_one_sentence(folder, tmp_path, capsys, monkeypatch, args, message):
+    # In-process: the console script's main(), without an interpreter start-up per case.
+    import io
+
+    from llmsplit.cli import main
+
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     raw = json.loads((folder / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     args = [a.format(tmp=tmp_path, gpt2=gpt2, folder=folder) for a in args]
-    proc = run_cli("generate", *args, check=False, input="")
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip()
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    code = main(["generate", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err

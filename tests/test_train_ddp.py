@@ -132,13 +132,18 @@ def test_the_rank_that_failed_is_named_not_the_one_that_saw_its_peer_go(monkeypa
     assert start_method() == "fork"
 
 
-def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path):
+def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path, capsys):
+    from llmsplit.cli import main
+
     tokens = tmp_path / "t.bin"
     (tmp_path / "a.txt").write_text("abc " * 100)
-    run_cli("prepare", str(tmp_path / "a.txt"), "--out", str(tokens))
+    assert main(["prepare", str(tmp_path / "a.txt"), "--out", str(tokens)]) == 0
     tokens.write_bytes(tokens.read_bytes()[:80])
-    proc = train(tmp_path / "run", *TINY, f"data.source={tokens}", nproc=2, check=False)
-    assert proc.returncode == 2 and "is truncated" in proc.stderr and "Traceback" not in proc.stderr
+    capsys.readouterr()
+    code = main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                 *[a for s in (*TINY, f"data.source={tokens}") for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert code == 2 and "is truncated" in err and "Traceback" not in err, err
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(reference, tmp_path):
