@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from llmsplit.launch import free_port
+
+from .procs import run_until_results
 
 WARMUP = 2
 TITLE = "Fine-tuning a Hugging Face Llama: llmsplit vs plain torchrun + DDP + transformers"
@@ -56,38 +56,15 @@ def _env(nproc: int) -> dict:
 
 
 def run_plain(folder: Path, nproc: int, steps: int, shape: dict, out: Path) -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                             "--master-port", str(free_port()), str(Path(__file__).with_name("plain_hf_ddp.py")),
-                             "--model", str(folder), "--steps", str(steps), "--global-batch",
-                             str(shape["global_batch"]), "--micro-batch", str(shape["micro_batch"]), "--seq-len",
-                             str(shape["seq_len"]), "--out", str(out)],
-                            env=_env(nproc), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # its own process group: stopped with its workers
-    _wait_for_results(proc, out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(Path(__file__).with_name("plain_hf_ddp.py")),
+           "--model", str(folder), "--steps", str(steps), "--global-batch", str(shape["global_batch"]),
+           "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]), "--out", str(out)]
+    code = run_until_results(cmd, out, env=_env(nproc))
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
     data = json.loads(out.read_text())
     return {"tps": data["tokens_per_step"] / statistics.median(data["step_time_s"][WARMUP:]), "loss1": data["loss"][0]}
-
-
-def _wait_for_results(proc: subprocess.Popen, out: Path, grace_s: float = 60.0) -> None:
-    """Wait for the baseline; once its results are written, give it `grace_s` to exit.
-
-    Seen twice on this 2-core VM: after rank 0 wrote its results and rank 1 exited, rank 0
-    stayed blocked for good in gloo's teardown (`destroy_process_group`). The measurement is
-    complete by then, so the benchmark (and the test suite's quick run) must not hang on it.
-    """
-    while proc.poll() is None:
-        if out.exists():
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                print("plain HF DDP: results written but the workers did not exit; stopping them",
-                      file=sys.stderr)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return
-        time.sleep(0.5)
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, proc.args)
 
 
 def run_llmsplit(folder: Path, nproc: int, steps: int, shape: dict, run_dir: Path, extra=()) -> dict:

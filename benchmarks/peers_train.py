@@ -30,6 +30,8 @@ from pathlib import Path
 
 from llmsplit.launch import free_port
 
+from .procs import run_until_results
+
 TITLE = "Training: llmsplit DDP / ZeRO-1/2/3 vs DeepSpeed ZeRO-2/3 and Accelerate"
 HERE = Path(__file__).parent
 
@@ -70,12 +72,17 @@ def _env() -> dict:
                 PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, out: Path | None = None) -> None:
+    """`out`: the results file of a peer's launcher, which may hang in teardown after
+    writing it (procs.run_until_results)."""
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
-    if proc.returncode != 0:
+        if out is None:
+            code = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+        else:
+            code = run_until_results(cmd, out, env=_env(), log=f)
+    if code != 0:
         tail = log.read_text()[-2000:]
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n{tail}")
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {code}:\n{tail}")
 
 
 def run_one(key: str, nproc: int, settings: list[str], tmp: Path) -> dict:
@@ -105,7 +112,7 @@ def run_one(key: str, nproc: int, settings: list[str], tmp: Path) -> dict:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", port, str(HERE / "accel_train.py")]
-    _run([*cmd, "--out", str(out), *sets], log)
+    _run([*cmd, "--out", str(out), *sets], log, out)
     data = json.loads(out.read_text())
     return {"step_time_s": data["step_time_s"], "loss": data["loss"], "peak": max(data["peak_mem_bytes_per_rank"]),
             "tokens_per_step": data["tokens_per_step"]}
