@@ -84,17 +84,22 @@ def main(quick: bool = False, rounds: int = 4, steps: int = 8, nproc: int = 2) -
         (FULL, dict(global_batch=8, micro_batch=4, seq_len=256))
     if quick:
         rounds, steps = 1, WARMUP + 2
-    plain, ours = [], []
+    plain, ours, compiled = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         folder, n_params = llama_folder(tmp / "llama", **sizes)
         for r in range(rounds):
-            for who in (("plain", "ours") if r % 2 == 0 else ("ours", "plain")):
+            order = ("plain", "ours", "compiled") if r % 2 == 0 else ("compiled", "ours", "plain")
+            for who in order:
                 if who == "plain":
                     plain.append(run_plain(folder, nproc, steps, shape, tmp / f"plain{r}.json"))
-                else:
+                elif who == "ours":
                     ours.append(run_llmsplit(folder, nproc, steps, shape, tmp / f"run{r}"))
+                elif not quick:  # compiling takes ~20 s: not in the test suite's quick run
+                    compiled.append(run_llmsplit(folder, nproc, steps, shape, tmp / f"compiled{r}",
+                                                 extra=("train.compile=true",)))
             print(f"round {r + 1}: plain HF DDP {plain[-1]['tps']:.0f} tokens/s, llmsplit {ours[-1]['tps']:.0f} "
+                  f"(compiled {compiled[-1]['tps'] if compiled else 0:.0f}) "
                   f"tokens/s", file=sys.stderr)
     result = {"nproc": nproc, "params": n_params, "sizes": sizes, **shape, "steps": steps, "rounds": rounds,
               "plain": [p["tps"] for p in plain], "llmsplit": [o["tps"] for o in ours],
@@ -102,6 +107,10 @@ def main(quick: bool = False, rounds: int = 4, steps: int = 8, nproc: int = 2) -
               "plain_tokens_per_s": statistics.median(p["tps"] for p in plain),
               "llmsplit_tokens_per_s": statistics.median(o["tps"] for o in ours)}
     result["ratio"] = result["llmsplit_tokens_per_s"] / result["plain_tokens_per_s"]
+    result["compiled"] = [c["tps"] for c in compiled]
+    if compiled:
+        result["compiled_tokens_per_s"] = statistics.median(result["compiled"])
+        result["compiled_ratio"] = result["compiled_tokens_per_s"] / result["plain_tokens_per_s"]
     return result
 
 
@@ -122,7 +131,11 @@ def to_markdown(r: dict) -> list[str]:
         f"| plain torchrun + DDP + transformers | {r['plain_tokens_per_s']:.0f} | "
         f"{', '.join(f'{x:.0f}' for x in r['plain'])} |",
         f"| **ratio** | **{r['ratio']:.3f}** | |",
-    ]
+    ] + ([
+        f"| llmsplit with `train.compile=true` (torch.compile of each block; the first step compiles) | "
+        f"{r['compiled_tokens_per_s']:.0f} | {', '.join(f'{x:.0f}' for x in r['compiled'])} |",
+        f"| **ratio, compiled** | **{r['compiled_ratio']:.3f}** | |",
+    ] if r.get("compiled") else [])
 
 
 def plot(r: dict, out_dir: Path) -> list[Path]:
