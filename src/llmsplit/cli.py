@@ -180,7 +180,7 @@ def cmd_train(args) -> int:
     from .train.entry import default_run_dir, run_worker
 
     torchrun = under_torchrun()
-    if getattr(args, "program", False) and not torchrun:
+    if args.program and not torchrun:
         claim_process_for_launching()  # before anything here computes
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be at least 1")
