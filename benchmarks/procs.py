@@ -19,23 +19,72 @@ def run_until_results(cmd: list[str], out: Path, *, env: dict, log=subprocess.DE
     Seen on this 2-core VM with torchrun (plain HF DDP) and `accelerate launch` (4 workers):
     rank 0 wrote its results, the other ranks exited, and rank 0 stayed blocked for good in
     gloo's teardown (`destroy_process_group`). The measurement is complete by then, so the
-    benchmark must not wait on it."""
+    benchmark must not wait on it.
+
+    torchrun starts each worker in a session of its own, out of reach of the launcher's
+    group: a worker stuck that way outlived its launcher and kept a core busy through the
+    next benchmarks. So the launcher's descendants are noted while it runs, and any still
+    alive at the end are stopped too."""
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL
                             else subprocess.DEVNULL, start_new_session=True)
+    seen: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
-    while proc.poll() is None:
-        if out.exists():
-            try:
-                return proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                print(f"{Path(cmd[2] if len(cmd) > 2 else cmd[0]).name}: results written but the workers did not "
-                      f"exit; stopping them", file=sys.stderr)
+    try:
+        while proc.poll() is None:
+            seen.update(_descendants(proc.pid))
+            if out.exists():
+                try:
+                    return proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    print(f"{Path(cmd[2] if len(cmd) > 2 else cmd[0]).name}: results written but the workers did "
+                          f"not exit; stopping them", file=sys.stderr)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return 0
+            if time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return 0
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise subprocess.TimeoutExpired(cmd, timeout_s)
-        time.sleep(0.5)
-    return proc.returncode
+                raise subprocess.TimeoutExpired(cmd, timeout_s)
+            time.sleep(0.5)
+        return proc.returncode
+    finally:
+        _stop_leftovers(seen)
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time): with the pid it names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """{pid: start time} of every live descendant of `root` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            start = _start_time(pid)
+            if start is not None:
+                found[pid] = start
+                todo.append(pid)
+    return found
+
+
+def _stop_leftovers(seen: dict[int, str]) -> None:
+    for pid, start in seen.items():
+        if _start_time(pid) == start:  # still the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
