@@ -36,9 +36,17 @@ warmup_steps = 1
 
 def run_cli(*args: str, check: bool = True, timeout: float = 300, env: dict | None = None,
             input: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m llmsplit ARGS` as a child process with its own environment, stdin, stdout,
+    stderr and exit status. The child is forked from a template process that has already
+    imported torch and llmsplit (see _forked_cli), which saves the 3-5 s of imports that
+    each of the suite's ~150 command lines would otherwise pay; LLMSPLIT_TEST_EXEC=1 runs
+    each through a fresh interpreter instead."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "llmsplit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, input=input)
+    if os.environ.get("LLMSPLIT_TEST_EXEC") == "1" or sys.platform != "linux":
+        proc = subprocess.run([sys.executable, "-m", "llmsplit", *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, input=input)
+    else:
+        proc = _forked_cli(list(args), full_env, timeout, input)
     if check and proc.returncode != 0:
         raise AssertionError(f"llmsplit {' '.join(args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
@@ -60,3 +68,70 @@ def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5)
     assert len(got) == len(want), (got, want)
     for step, (a, b) in enumerate(zip(got, want), 1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+# Modules the template process imports once. Importing them starts no thread and runs no
+# OpenMP op, so a fork of the template is as safe to compute in (and to fork workers from,
+# see llmsplit.launch.start_method) as a fresh `python -m llmsplit`.
+TEMPLATE_IMPORTS = ["torch", "torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
+                    "llmsplit.cli", "llmsplit.launch", "llmsplit.config", "llmsplit.train.entry",
+                    "llmsplit.train.trainer", "llmsplit.parallel.apply", "llmsplit.infer.api", "llmsplit.plan.api"]
+_template = None
+
+
+def _cli_template():
+    """A multiprocessing forkserver preloaded with TEMPLATE_IMPORTS, started on first use."""
+    global _template
+    if _template is None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(TEMPLATE_IMPORTS)
+        _template = ctx
+    return _template
+
+
+def _forked_cli(args: list[str], env: dict, timeout: float, input: str | None) -> subprocess.CompletedProcess:
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="llmsplit-cli-") as tmp:
+        paths = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
+        for name in paths:
+            with open(paths[name], "w") as f:
+                f.write(input or "" if name == "stdin" else "")
+        child = _cli_template().Process(target=cli_child, args=(args, env, os.getcwd(), paths))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():  # kill it and whatever it started (its own session)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.join()
+            raise subprocess.TimeoutExpired(["llmsplit", *args], timeout)
+        out, err = (open(paths[name], encoding="utf-8", errors="replace").read() for name in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(["llmsplit", *args], child.exitcode, out, err)
+
+
+def cli_child(args: list[str], env: dict, cwd: str, paths: dict) -> None:
+    """In the forked child: become what `python -m llmsplit ARGS` would be (own session,
+    environment, directory, stdin/stdout/stderr), then run the program's main."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        target = os.open(paths[name], mode)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)
+    sys.argv = ["llmsplit", *args]
+    from llmsplit.cli import main
+
+    try:
+        code = main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    raise SystemExit(code)
