@@ -13,17 +13,24 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .mesh import Mesh
 
 LOW_PRECISION = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _loaded(module: str, name: str):
+    """`module.name` if that module is already imported, else None. FSDP and ZeRO-1 are
+    imported only by the runs that use them (torch.distributed.optim costs ~1 s of start-up,
+    jit-compiling its functional optimizers); an object of a class whose module was never
+    imported cannot exist, so the isinstance checks below need no import."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
@@ -52,6 +59,8 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     already sharded, so no rank ever holds the whole model. `roots` are the modules that
     are called: the model itself, or each pipeline stage (whose embedding, norm and head
     become that stage's root group)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     assert zero in (2, 3), zero
     dp_mesh = mesh.mesh["dp_replicate", "dp_shard"] if mesh.dims.dp_replicate > 1 else mesh.mesh["dp_shard"]
     kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision)}
@@ -68,9 +77,11 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     return model
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision_policy(precision: str) -> "torch.distributed.fsdp.MixedPrecisionPolicy":
     """Compute in the low-precision dtype, keep fp32 master weights and reduce gradients
     in fp32 (summing many low-precision shards loses bits)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)
 
 
@@ -80,9 +91,12 @@ def autocast_dtype(zero: int, precision: str) -> torch.dtype | None:
     return None if zero >= 2 else LOW_PRECISION[precision]
 
 
-def zero1_optimizer(param_groups: list[dict], mesh: Mesh, optimizer_class, **defaults) -> ZeroRedundancyOptimizer:
+def zero1_optimizer(param_groups: list[dict], mesh: Mesh, optimizer_class,
+                    **defaults) -> "torch.distributed.optim.ZeroRedundancyOptimizer":
     """Each data-parallel rank keeps the optimizer state of about 1/dp of the parameters
     (whole tensors, balanced by size) and broadcasts the ones it updated."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class,
                                    process_group=mesh.group("dp"), **defaults)
 
@@ -90,14 +104,16 @@ def zero1_optimizer(param_groups: list[dict], mesh: Mesh, optimizer_class, **def
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's inner optimizer (over this
     rank's share of the parameters), or the optimizer itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    zero1 = _loaded("torch.distributed.optim", "ZeroRedundancyOptimizer")
+    return optimizer.optim if zero1 is not None and isinstance(optimizer, zero1) else optimizer
 
 
 @contextmanager
 def no_grad_sync(model: nn.Module):
     """Accumulate gradients locally for a micro-batch that is not the last of the step:
     no all-reduce (DDP) or reduce-scatter (FSDP) until the last one."""
-    if isinstance(model, FSDPModule):
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is not None and isinstance(model, fsdp_module):
         model.set_requires_gradient_sync(False)
         try:
             yield

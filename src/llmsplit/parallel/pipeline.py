@@ -17,21 +17,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from ..config import pipeline_stages_per_rank, stage_ids_of_rank
 from ..models.llama import Transformer
 from ..models.stages import split_layers
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+# torch.distributed.pipelining imports torch._dynamo: 3 s on a 2-core machine, paid by every
+# run, so it is imported only by the functions of a run with pp > 1.
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 SINGLE_STAGE = ("gpipe", "1f1b")
 
 
@@ -98,9 +92,11 @@ def share_buffers(parts: PipelineParts) -> None:
 
 def build_schedule(parts: PipelineParts, schedule: str, n_microbatches: int, loss_fn, device: torch.device,
                    pp_group):
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = [PipelineStage(m, sid, parts.n_stages, device, group=pp_group)
               for m, sid in zip(parts.stage_modules, parts.stage_ids)]
-    cls = SCHEDULES[schedule]
+    cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
     # scale_grads=False: our loss is already a sum divided by the tokens of the whole
     # data-parallel batch, so the micro-batch gradients simply add up.
     if schedule in SINGLE_STAGE:
