@@ -251,16 +251,10 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     # The first micro-batch of a step starts backward with no gradients allocated yet.
     grads_absent = states["grads"] if m == 1 else 0
 
-    # Optimizer step: AdamW's temporaries (the foreach path on GPUs makes one fp32 copy of
-    # all local parameters for sqrt(v); the CPU path one tensor at a time), NVMe offload's
-    # resident group, and the logits, which the training loop still references.
-    sharded = layout.shard if layout.zero >= 2 else 1
-    if layout.offload == "cpu":
-        step_tmp = 0  # the step runs on the host
-    elif device.kind == "cpu":
-        step_tmp = FP32 * _largest_tensor(cfg, layout) // sharded
-    else:
-        step_tmp = FP32 * n_params // (layout.shard if layout.zero >= 1 else 1)
+    # Optimizer step: the fused AdamW the trainer uses (parallel/apply.py) updates each
+    # tensor in place in one kernel, with no temporaries; NVMe offload's AdamW streams one
+    # resident group; the logits are still referenced by the training loop.
+    step_tmp = 0
     if layout.offload == "nvme":
         step_tmp += min(NVME_GROUP_BYTES, 2 * FP32 * n_params // (layout.shard if layout.zero >= 1 else 1))
     step_peak = step_tmp + head["logits"]
@@ -277,10 +271,6 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     return Breakdown(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                      activations=int(activations), comm_buffers=comm["total"], overhead=overhead,
                      host=host, stage=stage, detail=detail)
-
-
-def _largest_tensor(cfg: LlamaConfig, layout: Layout) -> int:
-    return max(cfg.vocab_size * cfg.dim // layout.tp, cfg.dim * cfg.ffn_dim // layout.tp)
 
 
 def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict, c: int) -> dict:
