@@ -51,33 +51,33 @@ def run_until_results(cmd: list[str], out: Path, *, env: dict, log=subprocess.DE
         _stop_leftovers(seen)
 
 
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat (start time): with the pid it names one process for good."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ...]; index 19 is the start time,
+    which with the pid names one process for good. None once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
 
+def _start_time(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
+
+
 def _descendants(root: int) -> dict[int, str]:
     """{pid: start time} of every live descendant of `root` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
     found, todo = {}, [root]
     while todo:
-        for pid in children.get(todo.pop(), []):
-            start = _start_time(pid)
-            if start is not None:
-                found[pid] = start
-                todo.append(pid)
+        for pid, start in children.get(todo.pop(), []):
+            found[pid] = start
+            todo.append(pid)
     return found
 
 

@@ -97,9 +97,9 @@ def _forked_cli(args: list[str], env: dict, timeout: float, input: str | None) -
 
     with tempfile.TemporaryDirectory(prefix="llmsplit-cli-") as tmp:
         paths = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
-        for name in paths:
+        for name, text in (("stdin", input or ""), ("stdout", ""), ("stderr", "")):
             with open(paths[name], "w") as f:
-                f.write(input or "" if name == "stdin" else "")
+                f.write(text)
         child = _cli_template().Process(target=cli_child, args=(args, env, os.getcwd(), paths))
         child.start()
         child.join(timeout)

@@ -74,8 +74,9 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     if torch.distributed.get_backend(mesh.group("dp_shard")) == "gloo":
+        reduce_scatter = _gloo_reduce_scatter()  # stateless: one for every unit
         for unit in units:
-            unit.set_custom_reduce_scatter(_gloo_reduce_scatter())
+            unit.set_custom_reduce_scatter(reduce_scatter)
     return model
 
 
