@@ -3,10 +3,11 @@ bubble each schedule leaves against its theoretical figure.
 
 Every row is one `llmsplit train` run through the command line; tokens/s is the median
 over the steps after the first (which pays for warm-up and pipeline shape inference), and
-the per-rank peak memory and the bubble are what the run wrote to summary.json. The
-bubble sweep uses a smaller model than the throughput table so that its 15 runs fit the
-time budget: the bubble is a ratio of times, so the model size matters only through how
-large each micro-batch's compute is next to the fixed per-message costs.
+the per-rank peak memory and the bubble are what the run wrote to summary.json (the median
+over the steps after the first of each step's bubble, against the schedule's own figure).
+The bubble sweep uses the throughput table's ~100M model with longer sequences (2 × 128
+tokens per micro-batch), so that a stage's forward takes ~0.2 s next to gloo's
+milliseconds per message.
 
 `python -m benchmarks.model_parallel [--quick]` runs it alone and draws
 docs/img/bubble.png; `python -m benchmarks model_parallel` includes it in the report.
@@ -30,10 +31,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 # layouts, not a throughput-optimal setting.
 BIG = ["model.dim=768", "model.n_layers=16", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_dim=2048",
        "data.seq_len=32", "train.global_batch=4", "train.micro_batch=1"]
-# The bubble sweep's model (~25M): big enough that a stage's micro-batch takes ~0.1 s, so
-# the schedule's idle time, not gloo's per-message latency, is what gets measured.
-SMALL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=1376",
-         "data.seq_len=128", "train.micro_batch=2"]
+# The bubble sweep: the same ~101M model, micro-batches of 2 × 128 tokens.
+SWEEP = [*BIG[:5], "data.seq_len=128", "train.micro_batch=2"]
+SWEEP_STEPS = 6  # the first is warm-up; the bubble is the median of the other five
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
         "data.seq_len=32", "train.micro_batch=2"]
 
@@ -82,7 +82,7 @@ def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble"))
             sweep = [("1f1b", 2)]
             steps = 2
         else:
-            throughput, ms, model, steps = THROUGHPUT, [2, 4, 8], SMALL, 4
+            throughput, ms, model, steps = THROUGHPUT, [2, 4, 8], SWEEP, SWEEP_STEPS
             # DualPipeV runs 2 stages per rank and needs m >= 2p micro-batches (refused below).
             sweep = [(s, m) for m in ms for s in SCHEDULES if not (s == "dualpipev" and m < 4)] \
                 if "bubble" in parts else []
@@ -99,7 +99,9 @@ def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble"))
             r = run(tmp / f"b{i}", 2, [*model, *_schedule_sets(schedule), f"train.global_batch={m * mb}"], steps)
             p = r["pipeline"]
             bubbles.append({"schedule": schedule, "m": m, "measured": p["measured_bubble"],
-                            "theory": p["theoretical_bubble"], "busy_per_rank": p["busy_fraction_per_rank"],
+                            "theory": p["theoretical_bubble"], "formula": p["formula_bubble"],
+                            "unit": p["unit_cost_bubble"], "action_seconds": p["action_seconds"],
+                            "per_step": p["measured_bubble_per_step"], "busy_per_rank": p["busy_fraction_per_rank"],
                             "tokens_per_s": r["tokens_per_s"]})
             print(f"bubble {schedule} m={m}: measured {p['measured_bubble']:.3f} theory "
                   f"{p['theoretical_bubble']:.3f}", file=sys.stderr)
@@ -122,14 +124,17 @@ def to_markdown(r: dict) -> list[str]:
                          f"{', '.join(f'{x:.0f}' for x in t['peak_per_rank_mib'])} | "
                          f"{', '.join(f'{x:.0f}' for x in t['param_per_rank_mib'])} | {bubble} |")
         lines.append("")
-    lines += ["Pipeline bubble, pp 2 (measured: 1 − busy/step time averaged over ranks, steps after the first):", "",
-              "| schedule | m | measured | theory | measured ÷ theory | busiest rank's bubble | busy per rank |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += ["Pipeline bubble, pp 2. Measured: each step's 1 − busy ÷ the longest rank's step time, averaged "
+              "over the ranks; the median over the steps after the first. Theory: the schedule's own order of "
+              "compute actions, timed with this run's median time of each action on each stage and no "
+              "communication. Unit costs: the same order with F = I = W = 1, B = 2. Formula: (p−1)/(v·m+p−1).", "",
+              "| schedule | m | measured | theory | measured ÷ theory | unit costs | formula | measured ÷ formula "
+              "| per step | busy per rank |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for b in r["bubbles"]:
-        # The busiest rank is the one the step waits for: its idle time is the schedule's
-        # bubble proper; the others add the idle time of a lighter stage (imbalance).
         lines.append(f"| {b['schedule']} | {b['m']} | {b['measured']:.3f} | {b['theory']:.3f} | "
-                     f"{b['measured'] / b['theory']:.2f} | {1 - max(b['busy_per_rank']):.3f} | "
+                     f"{b['measured'] / b['theory']:.2f} | {b['unit']:.3f} | {b['formula']:.3f} | "
+                     f"{b['measured'] / b['formula']:.2f} | {', '.join(f'{x:.3f}' for x in b['per_step'])} | "
                      f"{', '.join(f'{x:.2f}' for x in b['busy_per_rank'])} |")
     return lines
 
@@ -150,8 +155,6 @@ def plot(r: dict, folder: str) -> list[str]:
         ax.plot([b["m"] for b in rows], [b["measured"] for b in rows], "o-", color=color, label=f"{s} measured")
         ax.plot([b["m"] for b in rows], [b["theory"] for b in rows], "x--", color=color, alpha=0.6,
                 label=f"{s} theory")
-        ax.plot([b["m"] for b in rows], [1 - max(b["busy_per_rank"]) for b in rows], "^:", color=color, alpha=0.6,
-                label=f"{s} busiest rank")
     ax.set_xlabel("micro-batches m (pp = 2)")
     ax.set_ylabel("bubble (idle fraction)")
     ax.set_xscale("log", base=2)

@@ -65,8 +65,10 @@ def test_pipeline_ranks_hold_only_their_stages(reference, tmp_path):
     assert_close_losses(losses(tmp_path / "run"), reference)
     bubble = json.loads((tmp_path / "run" / "summary.json").read_text())["pipeline"]
     assert bubble["schedule"] == "1f1b" and bubble["microbatches"] == 4
-    assert bubble["theoretical_bubble"] == pytest.approx(1 / 5)
-    assert 0.0 <= bubble["measured_bubble"] < 1.0
+    assert bubble["formula_bubble"] == pytest.approx(1 / 5) and bubble["unit_cost_bubble"] == pytest.approx(1 / 5)
+    assert 0.0 < bubble["theoretical_bubble"] < 1.0  # the time line with this run's action times
+    assert {"0:F", "0:B", "1:F", "1:B"} <= set(bubble["action_seconds"])
+    assert 0.0 <= bubble["measured_bubble"] < 1.0 and len(bubble["measured_bubble_per_step"]) >= 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     full = 4 * summary["params"]
     first, last = summary["per_rank"]

@@ -8,7 +8,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llmsplit.models import LlamaConfig, Transformer
-from llmsplit.parallel.pipeline import split_layers, stage_ids_of_rank
+from llmsplit.parallel.pipeline import (bubble_fraction, schedule_bubble, single_stage_order, split_layers,
+                                       stage_ids_of_rank)
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, max_seq_len=32)
 
@@ -77,6 +78,41 @@ def test_stage_split_balances_cost_not_layer_count():
     cheap_head = LlamaConfig(dim=64, n_layers=8, n_heads=4, vocab_size=8, ffn_dim=128, max_seq_len=32)
     assert [len(s) for s in split_layers(cheap_head, 4)] == [2, 2, 2, 2]
     assert all(len(s) >= 1 for s in split_layers(big_head, 8))
+
+
+def _split_backward_1f1b(p, m):
+    """1F1B with each backward split into its input (I) and weight (W) passes."""
+    split = {"B": ("I", "W")}
+    return {rank: [(stage, k, mb) for stage, kind, mb in actions for k in split.get(kind, (kind,))]
+            for rank, actions in single_stage_order("1f1b", p, m).items()}
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16)])
+def test_simulated_bubble_of_gpipe_and_1f1b_is_the_formula(p, m):
+    ranks = {r: r for r in range(p)}
+    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks) == pytest.approx(bubble_fraction("gpipe", p, m, 1))
+    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks) == pytest.approx((p - 1) / (m + p - 1))
+    # Whatever a backward costs against a forward, as long as every stage is alike.
+    costs = {"F": 1.0, "B": 3.5, "I": 1.0, "W": 1.0}
+    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks, costs) == pytest.approx((p - 1) / (m + p - 1))
+    # A slower last stage: the others wait for it, so the bubble grows past the formula.
+    slow_last = {**costs, (p - 1, "F"): 1.5, (p - 1, "B"): 5.0}
+    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks, slow_last) > (p - 1) / (m + p - 1)
+
+
+def test_simulated_bubble_follows_the_dependencies_of_split_backward():
+    # 1F1B with each backward split into input (I) and weight (W) passes, p = 2, m = 4, unit
+    # costs. Worked by hand: rank 0 runs F0 F1, waits for rank 1's I0 (ends at 3), then
+    # alternates; its last W ends at 14, so 24 busy units over 2 × 14 give 1/7.
+    order = _split_backward_1f1b(2, 4)
+    assert schedule_bubble(order, {0: 0, 1: 1}) == pytest.approx(1 / 7)
+    # Actions grouped (as torch runs DualPipeV's overlapped pairs) send their results only
+    # when the whole group is done: rank 1 starts at 2, not 1; the time line ends at 10.
+    grouped = {0: [[(0, "F", 0), (0, "F", 1)], (0, "B", 0), (0, "B", 1)],
+               1: [(1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1)]}
+    assert schedule_bubble(grouped, {0: 0, 1: 1}) == pytest.approx(1 - 12 / 20)
+    with pytest.raises(ValueError, match="deadlock"):  # a backward before its own forward
+        schedule_bubble({0: [(0, "B", 0), (0, "F", 0)], 1: [(1, "F", 0), (1, "B", 0)]}, {0: 0, 1: 1})
 
 
 def test_stage_placement_per_schedule():

@@ -105,10 +105,127 @@ def build_schedule(parts: PipelineParts, schedule: str, n_microbatches: int, los
 
 
 def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual_stages: int) -> float:
-    """The schedule's idle fraction in theory: (p−1)/(m+p−1) for GPipe and 1F1B,
-    (p−1)/(v·m+p−1) interleaved; the V schedules overlap nearly all of it (taken as the
-    interleaved figure with v = 2, an upper bound)."""
+    """The textbook idle fraction: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1)
+    interleaved; for the V schedules, which fill most of it with weight-gradient passes,
+    this is only an upper bound (`schedule_bubble` gives their own figure)."""
     if pp == 1:
         return 0.0
     v = pipeline_stages_per_rank(schedule, virtual_stages)
     return (pp - 1) / (v * n_microbatches + pp - 1)
+
+
+# Ideal cost of each compute action, in forward passes of one stage: a full backward is two
+# forwards' worth of matmuls, split by the zero-bubble schedules into an input-gradient (I)
+# and a weight-gradient (W) pass of one each.
+ACTION_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def schedule_bubble(order: dict[int, list], stage_rank: dict[int, int], costs: dict = ACTION_COSTS) -> float:
+    """A schedule's own idle fraction: its per-rank action lists run with the given costs and
+    no communication time, each action starting once its rank is free and its inputs exist
+    (F of a stage needs the previous stage's F of that micro-batch; I/B the next stage's
+    I/B; W its own I). Returns 1 − mean busy ÷ makespan. With equal stages this is
+    (p−1)/(m+p−1) for GPipe and 1F1B and (p−1)/(v·m+p−1) for torch's interleaved 1F1B.
+
+    `order[rank]` lists (stage, kind, micro-batch) with kind F, B, I or W, or a list of
+    such actions run back to back whose results leave the rank together at the end (torch
+    runs DualPipeV's overlapped F+B pairs so, sending after the pair); `costs` maps a kind,
+    or a (stage, kind) pair where stages differ, to its duration."""
+    done: dict[tuple[int, str, int], tuple[float, float]] = {}  # action -> (ready on its rank, sent)
+    last = max(stage_rank)
+    free = dict.fromkeys(order, 0.0)
+    nxt = dict.fromkeys(order, 0)
+    busy = dict.fromkeys(order, 0.0)
+
+    def ready(rank: int, stage: int, kind: str, mb: int, group: set) -> float | None:
+        if kind == "F":
+            deps = [(stage - 1, "F", mb)] if stage > 0 else []
+        elif kind in ("I", "B"):
+            deps = [(stage, "F", mb)]
+            if stage < last:
+                deps.append((stage + 1, "I", mb) if (stage + 1, "I", mb) in done else (stage + 1, "B", mb))
+        else:  # W
+            deps = [(stage, "I", mb)]
+        if any(d not in done and d not in group for d in deps):
+            return None
+        return max((group[d] if d in group else done[d][0 if stage_rank[d[0]] == rank else 1] for d in deps),
+                   default=0.0)
+
+    remaining = sum(len(a) for a in order.values())
+    while remaining:
+        progressed = False
+        for rank, actions in order.items():
+            while nxt[rank] < len(actions):
+                item = actions[nxt[rank]]
+                members = item if isinstance(item, list) else [item]
+                t, ends = free[rank], {}
+                for stage, kind, mb in members:
+                    start = ready(rank, stage, kind, mb, ends)
+                    if start is None:
+                        break
+                    cost = costs.get((stage, kind), costs[kind])
+                    t = max(t, start) + cost
+                    ends[(stage, kind, mb)] = t
+                    busy[rank] += cost
+                else:
+                    for key, end in ends.items():
+                        done[key] = (end, t)  # usable on this rank at once, by the others after the group
+                    free[rank] = t
+                    nxt[rank] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                for stage, kind, _ in ends:  # not ready: undo the partial group, try again later
+                    busy[rank] -= costs.get((stage, kind), costs[kind])
+                break
+        if not progressed:
+            raise ValueError("the schedule's actions wait on each other (deadlock)")
+    makespan = max(free.values())
+    return 1.0 - sum(busy.values()) / (len(busy) * makespan)
+
+
+def single_stage_order(schedule: str, pp: int, m: int) -> dict[int, list[tuple[int, str, int]]]:
+    """The compute order GPipe (all forwards, then all backwards) and 1F1B (p − rank − 1
+    warm-up forwards, then one forward and one backward in turn) run on each rank."""
+    order = {}
+    for rank in range(pp):
+        if schedule == "gpipe":
+            order[rank] = [(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)]
+            continue
+        warm = min(pp - rank - 1, m)
+        actions, f = [(rank, "F", i) for i in range(warm)], warm
+        for b in range(m):
+            if f < m:
+                actions.append((rank, "F", f))
+                f += 1
+            actions.append((rank, "B", b))
+        order[rank] = actions
+    return order
+
+
+def schedule_order(schedule) -> tuple[dict[int, list[tuple[int, str, int]]], dict[int, int]]:
+    """(order, stage → rank) of the compute actions a torch.distributed.pipelining schedule
+    runs, for `schedule_bubble`. The multi-stage schedules execute their `pipeline_order`;
+    GPipe and 1F1B run a hard-coded loop whose `pipeline_order` only draws it (1F1B's starts
+    the last rank at micro-batch 1 in torch 2.13), so theirs is rebuilt here."""
+    pipeline_order = getattr(schedule, "pipeline_order", None)
+    stage_rank = getattr(schedule, "stage_index_to_group_rank", None)
+    if not pipeline_order or not stage_rank:
+        kind = "gpipe" if type(schedule).__name__ == SCHEDULE_CLASSES["gpipe"] else "1f1b"
+        pp = schedule._num_stages
+        return single_stage_order(kind, pp, schedule._n_microbatches), {r: r for r in range(pp)}
+    stage_rank = dict(stage_rank)
+    order: dict[int, list] = {}
+    for rank, actions in pipeline_order.items():
+        items = []
+        for a in actions:
+            if a is None:
+                continue
+            leaves = [(x.stage_index, x.computation_type.value, x.microbatch_index) for x in (a.sub_actions or (a,))]
+            leaves = [x for x in leaves if x[1] in ACTION_COSTS]
+            if len(leaves) > 1:
+                items.append(leaves)
+            elif leaves:
+                items.append(leaves[0])
+        order[rank] = items
+    return order, stage_rank

@@ -12,8 +12,10 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +33,7 @@ from ..io.hf import HFWeights
 from ..io.tokenizer import load_tokenizer
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.data_parallel import allreduce_gradients, autocast_dtype, no_grad_sync
-from ..parallel.pipeline import bubble_fraction, build_schedule
+from ..parallel.pipeline import ACTION_COSTS, bubble_fraction, build_schedule, schedule_bubble, schedule_order
 from ..parallel.mesh import Mesh, ParallelDims
 from .entry import default_run_dir
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -153,6 +155,14 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
     scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
     sharded_loss = cfg.parallel.tp > 1  # logits stay split over the vocabulary
     pipe = _Pipeline(pm, cfg, device, mesh, denominator, scaler) if pm.pipeline is not None else None
+    # A pipeline on CPU keeps its gradient tensors between steps (zeroed in place). Freed, they
+    # go back to the OS (each is one mapping above the 4 MiB mmap threshold) and the next
+    # step's first backward of every stage page-faults them in again: ~90 ms per 190 MB on a
+    # 2-core VM, on the pipeline's critical path while the other stages wait (gpipe m=8 on
+    # the 101M model: bubble 0.160 -> 0.128, theory 0.111). The peak hardly moves (+20 MiB
+    # there), since gradients exist from the first backward to the optimizer step anyway.
+    # CUDA's caching allocator keeps freed memory, so there the default (free them) costs nothing.
+    keep_grads = pipe is not None and device.type == "cpu"
     progress = Progress(t.steps, start_step) if rank0 else None
     metrics_file = open(run_dir / METRICS_FILE, "a") if rank0 else None
     history, held = [], None
@@ -207,7 +217,7 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
             optimizer.step()
         if step == t.steps:
             held = state_bytes(plain, optimizer)  # while gradients still exist
-        optimizer.zero_grad(set_to_none=True)
+        _zero_gradients(optimizer, keep_grads)
 
         if pipe is not None:  # only the last stage saw the loss
             dist.all_reduce(loss_sum, group=mesh.group("pp"))
@@ -239,7 +249,8 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
     close_optimizer(optimizer)
     per_rank_info = {"rank": rank, "peak_mem_bytes": peak_memory_bytes(device), **held}
     if pipe is not None:
-        per_rank_info["pipeline_busy_s"], per_rank_info["pipeline_step_s"] = pipe.busy, pipe.total
+        per_rank_info["pipeline_steps"] = list(pipe.per_step)
+        per_rank_info["pipeline_action_s"] = {key: list(v) for key, v in pipe.action_s.items()}
     profile_rows = profiler.finish()
     gathered = [None] * world
     dist.all_gather_object(gathered, per_rank_info)
@@ -250,6 +261,9 @@ def _train(cfg: Config, run_dir_arg: str | None, resume: str, device: torch.devi
     summary = _summary(cfg, world, model_cfg, history, gathered, run_dir)
     if pipe is not None:
         summary["pipeline"] = pipe.report(gathered)
+        for row in summary["per_rank"]:
+            row.pop("pipeline_steps", None)  # lists per step and per action: summarised in summary["pipeline"]
+            row.pop("pipeline_action_s", None)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     print_summary(summary, run_dir, first_loss)
     if profile_rows is not None:
@@ -390,6 +404,26 @@ def clip_gradients(params, max_norm: float, pp_group=None) -> torch.Tensor:
     return total
 
 
+def _zero_gradients(optimizer, keep: bool) -> None:
+    """Free the gradients, or with `keep` zero the plain-tensor ones in place (DTensor
+    gradients, e.g. the Partial ones of sequence-parallel norms, are freed all the same:
+    their sharding cannot be zeroed in place)."""
+    if not keep:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    plain = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if type(p.grad) is torch.Tensor:
+                plain.append(p.grad)
+            else:
+                p.grad = None
+    if plain:
+        torch._foreach_zero_(plain)
+
+
 class _Pipeline:
     """One optimizer step of a pipeline schedule over this rank's batch, with the time
     each local stage is busy (forward and backward compute) recorded for the bubble."""
@@ -406,21 +440,28 @@ class _Pipeline:
         scale = scaler.scale if scaler else (lambda x: x)
         loss_fn = lambda out, target: scale(token_loss(out, target, denominator))  # noqa: E731
         self.schedule = build_schedule(self.parts, par.pp_schedule, self.n_micro, loss_fn, device, mesh.group("pp"))
-        self.busy = 0.0
-        self.total = 0.0
+        # (busy, step) seconds of each step after the first, and "stage:kind" -> seconds of each
+        # compute action after the first step; the latest ones only, for the medians at the end.
+        self.per_step: deque[tuple[float, float]] = deque(maxlen=1000)
+        self.action_s: dict[str, deque[float]] = {}
         self.steps = 0
         for stage in _schedule_stages(self.schedule):
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(name, stage.stage_index, getattr(stage, name)))
 
-    def _timed(self, fn):
+    def _timed(self, name: str, stage: int, fn):
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._step_busy += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                self._step_busy += elapsed
+                if self.steps >= 1:
+                    kind = ("F" if name == "forward_one_chunk" else "W" if name == "backward_weight_one_chunk"
+                            else "B" if kwargs.get("full_backward", True) else "I")
+                    self.action_s.setdefault(f"{stage}:{kind}", deque(maxlen=4000)).append(elapsed)
         return wrapper
 
     def step(self, batch: torch.Tensor, amp_dtype) -> torch.Tensor:
@@ -436,8 +477,7 @@ class _Pipeline:
         elapsed = time.perf_counter() - t0
         self.steps += 1
         if self.steps > 1:  # the first step pays for shape inference and warm-up
-            self.busy += self._step_busy
-            self.total += elapsed
+            self.per_step.append((self._step_busy, elapsed))
         loss_sum = torch.zeros((), device=self.device)
         for loss in losses:
             loss_sum += _plain(loss.detach())
@@ -446,20 +486,50 @@ class _Pipeline:
         return loss_sum
 
     def report(self, per_rank: list[dict]) -> dict:
-        """The bubble over the pipeline's step: each rank's busy time against the longest
-        rank's step time. A rank's own schedule.step() returns as soon as its last chunk is
-        done, before the others' (the first stage runs the last backward); its wait for them
-        happens in the next collective, outside its timer, and is idle time all the same.
-        Measured on its own timer, gpipe at m=2 showed a bubble of 0.25 against the 1/3 that
-        the time line of its chunks gives."""
+        """The bubble of each step: every rank's busy time against the longest rank's step
+        time, then the median over the steps. A rank's own schedule.step() returns as soon
+        as its last chunk is done, before the others' (the first stage runs the last
+        backward); its wait for them happens in the next collective, outside its timer, and
+        is idle time all the same. Measured on its own timer, gpipe at m=2 showed a bubble of
+        0.25 against the 1/3 that the time line of its chunks gives. The median, not the
+        total, because one stall of a shared machine on one rank (seen: a 1 s forward among
+        0.22 s ones) idles every other rank for that step and is not the schedule's doing.
+
+        The theory is the schedule's own time line (`schedule_bubble`): the order of compute
+        actions the schedule runs, with no communication, each action taking the median time
+        this run measured for it on its stage. The schedule's bubble then depends on what it
+        really costs: the zero-bubble schedules hide weight-gradient (W) passes in it, so how
+        long those take against a forward decides what is left (the ZB paper computes its
+        bubbles from profiled T_F, T_B, T_W too), and the first stage's input-gradient pass
+        is empty (its input is token ids), which moves all its backward work into W. What
+        the measurement adds over this figure is the pipeline runtime's own cost:
+        communication, Python between actions, stalls. The textbook formula
+        (p−1)/(v·m+p−1), which assumes equal stages and costs, and the order's figure with
+        unit costs (F = I = W = 1, B = 2) sit next to it."""
         par = self.cfg.parallel
-        rows = [r for r in per_rank if r.get("pipeline_step_s")]
-        step = max((r["pipeline_step_s"] for r in rows), default=0.0)
-        busy = [r["pipeline_busy_s"] / step for r in rows] if step > 0 else []
+        rows = [r["pipeline_steps"] for r in per_rank if r.get("pipeline_steps")]
+        per_step = []
+        for steps in zip(*rows):  # one tuple of (busy, step) per rank
+            longest = max(step for _, step in steps)
+            if longest > 0:
+                per_step.append([busy / longest for busy, _ in steps])
+        order = schedule_order(self.schedule)
+        formula = bubble_fraction(par.pp_schedule, par.pp, self.n_micro, par.pp_virtual_stages)
+        times: dict[str, list[float]] = {}
+        for r in per_rank:
+            for key, seconds in (r.get("pipeline_action_s") or {}).items():
+                times.setdefault(key, []).extend(seconds)
+        measured = {key: statistics.median(v) for key, v in times.items() if v}
+        costs = {(int(key.split(":")[0]), key.split(":")[1]): v for key, v in measured.items()}
+        unit = schedule_bubble(*order)
+        theory = schedule_bubble(*order, costs={**ACTION_COSTS, **costs}) if costs else unit
+        bubbles = [1.0 - sum(b) / len(b) for b in per_step]
         return {"schedule": par.pp_schedule, "stages": self.parts.n_stages, "microbatches": self.n_micro,
-                "theoretical_bubble": bubble_fraction(par.pp_schedule, par.pp, self.n_micro, par.pp_virtual_stages),
-                "measured_bubble": 1.0 - sum(busy) / len(busy) if busy else None,
-                "busy_fraction_per_rank": busy}
+                "theoretical_bubble": theory, "unit_cost_bubble": unit, "formula_bubble": formula,
+                "action_seconds": measured,
+                "measured_bubble": statistics.median(bubbles) if bubbles else None,
+                "measured_bubble_per_step": bubbles,
+                "busy_fraction_per_rank": [statistics.median(col) for col in zip(*per_step)]}
 
 
 def _schedule_stages(schedule) -> list:
