@@ -187,30 +187,53 @@ def _fill(cfg, all_units, order, budgets, exec_device, s: Sizes, scale: float = 
     accelerators, or the CPU when it computes), the rest to the offload tiers (CPU memory,
     then disk). A greedy fill alone would use up the execution device and leave no room for
     the staging buffers and KV cache that the offloaded units need there, so k is searched:
-    the largest k whose map fits. None when no k fits."""
+    the largest k whose map fits. None when no k fits.
+
+    A second search keeps the final norm and the output head resident too and offloads only
+    the middle layers. It wins when the head is large next to a layer: streaming it costs
+    two head-sized staging buffers on the execution device and, when tied, a second copy
+    of the embedding. SmolLM2-135M in 365 MiB of CPU: 1 resident layer with the head
+    streamed, or 15 with it resident. The map that streams fewer bytes per token is kept."""
     resident = [d for d in order if not _offloaded(d, exec_device)]
     offload = [d for d in order if _offloaded(d, exec_device)]
+    n = len(all_units)
+    ends = [u for u in all_units if u[0] in ("norm", "output")]
 
-    def attempt(k: int) -> dict[str, str] | None:
-        # The offloaded tail first, so that filling the resident devices already sees what
-        # the tail costs on the execution device.
-        tail = _greedy(cfg, all_units[k:], offload, {}, budgets, exec_device, s, scale)
-        dmap = None if tail is None else _greedy(cfg, all_units[:k], resident, tail, budgets, exec_device, s, scale)
+    def attempt(k: int, keep_ends: bool) -> dict[str, str] | None:
+        head, tail = (all_units[:k] + ends, all_units[k:-len(ends)]) if keep_ends else (all_units[:k], all_units[k:])
+        # The offloaded part first, so that filling the resident devices already sees what
+        # it costs on the execution device.
+        dmap = _greedy(cfg, tail, offload, {}, budgets, exec_device, s, scale)
+        dmap = None if dmap is None else _greedy(cfg, head, resident, dmap, budgets, exec_device, s, scale)
         return None if dmap is None else {u: dmap[u] for u, _ in all_units}
 
-    n = len(all_units)
-    best = attempt(n)
-    if best is not None or not offload:
+    def largest(keep_ends: bool, top: int) -> dict[str, str] | None:
+        best = attempt(top, keep_ends)
+        if best is not None or not offload:
+            return best
+        lo, hi = -1, top  # attempt(hi) fails; search the largest k that works
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = attempt(mid, keep_ends) if mid >= 0 else None
+            if found is not None:
+                lo, best = mid, found
+            else:
+                hi = mid
+        return best if best is not None else attempt(0, keep_ends)
+
+    best = largest(False, n)
+    if best is None or not offload or not ends or all(not _offloaded(best[u], exec_device) for u, _ in ends):
         return best
-    lo, hi = -1, n  # attempt(hi) fails; search the largest k that works
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        found = attempt(mid) if mid >= 0 else None
-        if found is not None:
-            lo, best = mid, found
-        else:
-            hi = mid
-    return best if best is not None else attempt(0)
+    other = largest(True, n - len(ends))
+    if other is not None and _streamed(cfg, other, exec_device, s) < _streamed(cfg, best, exec_device, s):
+        return other
+    return best
+
+
+def _streamed(cfg, dmap: dict[str, str], exec_device: str, s: Sizes) -> int:
+    """Weight bytes copied to the execution device for every token (the offloaded units)."""
+    sizes = dict(units(cfg, s.dtype_bytes))
+    return sum(sizes[u] for u, d in dmap.items() if _offloaded(d, exec_device))
 
 
 def _greedy(cfg, todo, devices, dmap, budgets, exec_device, s: Sizes, scale: float) -> dict[str, str] | None:
