@@ -132,10 +132,26 @@ def main(quick: bool = False) -> dict:
                    for b in (1, 4, 16)}
         kv = _kv_waste(ours, quick)
         ours.close()
+        compiled = []
+        if not quick:  # a minute of compiling; tests/test_infer_split.py covers the code path
+            ours = llmsplit.load(str(source), max_batch=1, max_context=256, compile=True)
+            t0 = time.perf_counter()
+            _time_ours(ours, [PROMPT], 4)  # compiles the decode step
+            compile_s = time.perf_counter() - t0
+            for r in range(rounds):
+                compiled.append(_time_ours(ours, [PROMPT], new))
+                theirs.append(_time_transformers(hf, ids, new))
+                print(f"round {r + 1}: llmsplit --compile {compiled[-1]:.1f} tokens/s, transformers "
+                      f"{theirs[-1]:.1f} tokens/s", file=sys.stderr)
+            ours.close()
     result = {"model": label, "new_tokens": new, "rounds": rounds, "llmsplit": mine, "transformers": theirs,
               "llmsplit_tokens_per_s": statistics.median(mine), "transformers_tokens_per_s": statistics.median(theirs),
-              "batched_tokens_per_s": batched, "kv": kv}
+              "batched_tokens_per_s": batched, "kv": kv, "compiled": compiled}
     result["ratio"] = result["llmsplit_tokens_per_s"] / result["transformers_tokens_per_s"]
+    if compiled:
+        result["compiled_tokens_per_s"] = statistics.median(compiled)
+        result["compiled_ratio"] = result["compiled_tokens_per_s"] / result["transformers_tokens_per_s"]
+        result["compile_s"] = compile_s
     return result
 
 
@@ -147,7 +163,13 @@ def to_markdown(r: dict) -> list[str]:
             f"| llmsplit generate | {r['llmsplit_tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['llmsplit'])} |",
             f"| transformers generate | {r['transformers_tokens_per_s']:.1f} | "
             f"{', '.join(f'{x:.1f}' for x in r['transformers'])} |",
-            f"| **ratio** | **{r['ratio']:.2f}** | |", "",
+            f"| **ratio** | **{r['ratio']:.2f}** | |",
+            *([f"| llmsplit generate --compile | {r['compiled_tokens_per_s']:.1f} | "
+               f"{', '.join(f'{x:.1f}' for x in r['compiled'])} |",
+               f"| **ratio, compiled** | **{r['compiled_ratio']:.2f}** | |", "",
+               f"The compiled decode step took {r['compile_s']:.0f} s to compile, once, before the timed rounds. "
+               f"transformers' median is over all {len(r['transformers'])} of its rounds (each llmsplit round "
+               f"alternates with one of them)."] if r.get("compiled") else []), "",
             "llmsplit batched throughput (tokens/s over all sequences): "
             + ", ".join(f"batch {b}: {v:.1f}" for b, v in r["batched_tokens_per_s"].items()), "",
             f"KV cache waste (allocated − used, over the {kv['steps']} steps of 16 sequences of varied prompt and "

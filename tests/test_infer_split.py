@@ -8,6 +8,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
+from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [12, 8], [200, 201, 202, 203, 204], [77]]
@@ -76,3 +77,20 @@ def test_worker_processes(folder, reference, layout):
             "The def statement", max_new_tokens=6)
     finally:
         m.close()
+
+
+@pytest.mark.slow
+def test_compiled_decode_step(folder, reference, tmp_path):
+    """compile=True sends every one-token step of the batch (sequences at different
+    positions, so with a padding mask) through torch.compile: same tokens, same logits."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    m = llmsplit.load(folder, device_map="cpu", compile=True)
+    assert_same(run(m), reference)
+    assert counters["stats"]["unique_graphs"] >= 1  # the decode step did run compiled
+    with pytest.raises(ConfigError, match="compile"):
+        llmsplit.load(folder, max_memory={"cpu": "900KiB"}, offload_dir=tmp_path / "off", max_context=64,
+                      compile=True)
+    with pytest.raises(ConfigError, match="compile"):
+        llmsplit.load(folder, tp=2, compile=True)

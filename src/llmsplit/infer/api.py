@@ -87,7 +87,7 @@ def placement_mode(device_map):
 
 
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
-         max_batch: int = 4, max_context: int | None = None, block_size: int = 16) -> LoadedModel:
+         max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False) -> LoadedModel:
     source = open_weights(path, what="model path")
     cfg = source.config
     dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size)
@@ -99,6 +99,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         if max_memory or offload_dir or device_map not in (None, "auto"):
             raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
                               "--max-memory and --offload-dir")
+        if compile:
+            raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
         runner = SplitRunner(split_spec(path, tp, pp, dtype, num_blocks, block_size, max_context))
         dmap = _split_map(cfg, tp, pp)
         placement = None
@@ -108,7 +110,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         if "disk" in placement.device_map.values() and offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
-                                          offload_dir=offload_dir))
+                                          offload_dir=offload_dir, compile=compile))
         dmap = dict(placement.device_map)
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context)

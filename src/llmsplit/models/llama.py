@@ -252,7 +252,8 @@ class Transformer(nn.Module):
                 self._extend_rope(start_pos + s)
             cos = self.rope_cos[start_pos:]
             sin = self.rope_sin[start_pos:]
-        limit = dynamic_rope_limit(self.cfg.rope_scaling)
+        # Looked up only when scaled: the lookup is lru_cached, which torch.compile warns about.
+        limit = dynamic_rope_limit(self.cfg.rope_scaling) if self.cfg.rope_scaling else None
         if limit is not None:
             cos, sin = self._dynamic_rope(start_pos, s, limit, cos, sin)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
