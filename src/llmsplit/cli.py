@@ -167,7 +167,7 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
                    "the model's, at most 4096)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
-                   "a one-time compile (about a minute per graph on a small CPU); not with --tp/--pp or offload")
+                   "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
 
 
 # ---------------------------------------------------------------- train
