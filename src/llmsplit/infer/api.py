@@ -114,7 +114,19 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         dmap = dict(placement.device_map)
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context)
+    if compile:
+        _compile_decode_graphs(engine, max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg)
+
+
+def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
+    """Compile, at load time, the decode graphs the engine reaches (one sequence; several at
+    one position, whose batch size is dynamic), so that no request waits minutes for a
+    compile later (Runner.forward says which steps run compiled)."""
+    params = SamplingParams(2, ignore_eos=True)  # a prefill, then one decode step
+    for prompts in [[[3, 4]]] + ([[[3, 4], [5, 6]]] if max_batch > 1 else []):
+        engine.generate([engine.new_sequence(p, params) for p in prompts])
+    engine.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
 
 
 def _split_map(cfg, tp: int, pp: int) -> dict[str, str]:

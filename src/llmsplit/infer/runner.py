@@ -118,8 +118,8 @@ class Runner:
         step runs the same few hundred small ops, so at batch 1 the per-op dispatch of eager
         mode is a large share of a token's time: compiled, SmolLM2-135M decodes 1.5× faster on
         2 CPU cores (fp32; BENCHMARKS.md). Shapes are dynamic (the keys grow every step, the
-        batch changes), so it compiles a handful of graphs once — batch 1 or more, with or
-        without a padding mask; prefill stays eager. Offloaded layers swap their weights in hooks and tensor-parallel layers
+        batch changes), so it compiles two graphs, one sequence and several (at load time,
+        `api._compile_decode_graphs`); prefill and masked steps stay eager. Offloaded layers swap their weights in hooks and tensor-parallel layers
         all-reduce in them, which a compiled graph would not see, so both are refused."""
         if self.offloader is not None or self.spec.tp_size > 1:
             from ..config import ConfigError
@@ -164,7 +164,12 @@ class Runner:
         if step is None:
             return self.model(x, last_only=last_only)
         start = step.start if isinstance(step.start, int) else step.start.to(self.input_device)
-        forward = self._decode if self._decode is not None and x.shape[1] == 1 else self.model
+        # Compiled: decode steps whose sequences share one position. A step with a padding
+        # mask (sequences at different positions) runs eager: under dynamic shapes CPU SDPA
+        # with a mask pins the batch size, so each new size would compile again (minutes)
+        # until dynamo's recompile limit. A one-token prompt's prefill (width 1) runs eager too.
+        decode = x.shape[1] == 1 and step.mask is None and step.gather.shape[1] > 1
+        forward = self._decode if self._decode is not None and decode else self.model
         return forward(x, kv_cache=self.cache, start_pos=start, last_only=last_only)
 
     def close(self) -> None:
