@@ -10,8 +10,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     device_map: "auto" | "balanced" | "sequential" | a device ("cpu", "cuda:1") | {module: device}.
     max_memory: {"cuda:0": "20GiB", "cpu": "64GiB"} or "cuda:0=20GiB,cpu=64GiB"; what does
     not fit goes to `offload_dir` on disk. options: tp, pp (worker processes), max_batch,
-    max_context, block_size (KV cache), compile (torch.compile the decode step). Returns an object with generate, logits, tokenizer,
-    device_map; `close()` stops its workers.
+    max_context, block_size (KV cache), compile (torch.compile the decode step). Returns an
+    object with generate, logits, tokenizer, device_map; `close()` stops its workers.
     """
     from .infer.api import load as _load
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import ConfigError
 from ..models.llama import Transformer, rope_tables
 from .kv_cache import PagedKVCache, Step
 from .offload import Offloader, _set
@@ -119,13 +120,12 @@ class Runner:
         mode is a large share of a token's time: compiled, SmolLM2-135M decodes 1.5× faster on
         2 CPU cores (fp32; BENCHMARKS.md). Shapes are dynamic (the keys grow every step, the
         batch changes), so it compiles two graphs, one sequence and several (at load time,
-        `api._compile_decode_graphs`); prefill and masked steps stay eager. Offloaded layers swap their weights in hooks and tensor-parallel layers
-        all-reduce in them, which a compiled graph would not see, so both are refused."""
-        if self.offloader is not None or self.spec.tp_size > 1:
-            from ..config import ConfigError
-
-            raise ConfigError("compile=True needs every layer resident and no tensor parallel; this load offloads "
-                              "layers or splits them (drop --compile, or give the model more memory)")
+        `api._compile_decode_graphs`); prefill and masked steps stay eager. Offloaded layers
+        swap their weights in hooks, which a compiled graph would not see, so offload is
+        refused (`api.load` refuses --tp/--pp before any runner exists)."""
+        if self.offloader is not None:
+            raise ConfigError("compile=True needs every layer resident; this load offloads layers (drop --compile, "
+                              "or give the model more memory)")
         # The modules never change after loading, so guards on them (hundreds of parameters,
         # checked before every call: ~0.8 ms a token) are skipped; guards on the inputs stay.
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}

@@ -137,19 +137,35 @@ def schedule_bubble(order: dict[int, list], stage_rank: dict[int, int], costs: d
     nxt = dict.fromkeys(order, 0)
     busy = dict.fromkeys(order, 0.0)
 
-    def ready(rank: int, stage: int, kind: str, mb: int, group: set) -> float | None:
+    def ready(rank: int, stage: int, kind: str, mb: int, group: dict) -> float | None:
+        """When the inputs of an action on `rank` exist (None: not yet); `group` holds the
+        end times of the actions run so far in the same group."""
+        have = lambda d: d in done or d in group  # noqa: E731
         if kind == "F":
             deps = [(stage - 1, "F", mb)] if stage > 0 else []
         elif kind in ("I", "B"):
             deps = [(stage, "F", mb)]
             if stage < last:
-                deps.append((stage + 1, "I", mb) if (stage + 1, "I", mb) in done else (stage + 1, "B", mb))
+                deps.append((stage + 1, "I", mb) if have((stage + 1, "I", mb)) else (stage + 1, "B", mb))
         else:  # W
             deps = [(stage, "I", mb)]
-        if any(d not in done and d not in group for d in deps):
+        if not all(have(d) for d in deps):
             return None
         return max((group[d] if d in group else done[d][0 if stage_rank[d[0]] == rank else 1] for d in deps),
                    default=0.0)
+
+    def run(rank: int, members: list) -> tuple[dict, float, float] | None:
+        """(end of each action, end of the group, busy time), or None while an input is missing."""
+        t, ends, spent = free[rank], {}, 0.0
+        for stage, kind, mb in members:
+            start = ready(rank, stage, kind, mb, ends)
+            if start is None:
+                return None
+            cost = costs.get((stage, kind), costs[kind])
+            t = max(t, start) + cost
+            ends[(stage, kind, mb)] = t
+            spent += cost
+        return ends, t, spent
 
     remaining = sum(len(a) for a in order.values())
     while remaining:
@@ -157,27 +173,17 @@ def schedule_bubble(order: dict[int, list], stage_rank: dict[int, int], costs: d
         for rank, actions in order.items():
             while nxt[rank] < len(actions):
                 item = actions[nxt[rank]]
-                members = item if isinstance(item, list) else [item]
-                t, ends = free[rank], {}
-                for stage, kind, mb in members:
-                    start = ready(rank, stage, kind, mb, ends)
-                    if start is None:
-                        break
-                    cost = costs.get((stage, kind), costs[kind])
-                    t = max(t, start) + cost
-                    ends[(stage, kind, mb)] = t
-                    busy[rank] += cost
-                else:
-                    for key, end in ends.items():
-                        done[key] = (end, t)  # usable on this rank at once, by the others after the group
-                    free[rank] = t
-                    nxt[rank] += 1
-                    remaining -= 1
-                    progressed = True
-                    continue
-                for stage, kind, _ in ends:  # not ready: undo the partial group, try again later
-                    busy[rank] -= costs.get((stage, kind), costs[kind])
-                break
+                result = run(rank, item if isinstance(item, list) else [item])
+                if result is None:
+                    break
+                ends, t, spent = result
+                for key, end in ends.items():
+                    done[key] = (end, t)  # usable on this rank at once, by the others after the group
+                free[rank] = t
+                busy[rank] += spent
+                nxt[rank] += 1
+                remaining -= 1
+                progressed = True
         if not progressed:
             raise ValueError("the schedule's actions wait on each other (deadlock)")
     makespan = max(free.values())

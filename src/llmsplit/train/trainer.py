@@ -440,10 +440,10 @@ class _Pipeline:
         scale = scaler.scale if scaler else (lambda x: x)
         loss_fn = lambda out, target: scale(token_loss(out, target, denominator))  # noqa: E731
         self.schedule = build_schedule(self.parts, par.pp_schedule, self.n_micro, loss_fn, device, mesh.group("pp"))
-        # (busy, step) seconds of each step after the first, and "stage:kind" -> seconds of each
+        # (busy, step) seconds of each step after the first, and (stage, kind) -> seconds of each
         # compute action after the first step; the latest ones only, for the medians at the end.
         self.per_step: deque[tuple[float, float]] = deque(maxlen=1000)
-        self.action_s: dict[str, deque[float]] = {}
+        self.action_s: dict[tuple[int, str], deque[float]] = {}
         self.steps = 0
         for stage in _schedule_stages(self.schedule):
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -461,7 +461,7 @@ class _Pipeline:
                 if self.steps >= 1:
                     kind = ("F" if name == "forward_one_chunk" else "W" if name == "backward_weight_one_chunk"
                             else "B" if kwargs.get("full_backward", True) else "I")
-                    self.action_s.setdefault(f"{stage}:{kind}", deque(maxlen=4000)).append(elapsed)
+                    self.action_s.setdefault((stage, kind), deque(maxlen=4000)).append(elapsed)
         return wrapper
 
     def step(self, batch: torch.Tensor, amp_dtype) -> torch.Tensor:
@@ -515,18 +515,17 @@ class _Pipeline:
                 per_step.append([busy / longest for busy, _ in steps])
         order = schedule_order(self.schedule)
         formula = bubble_fraction(par.pp_schedule, par.pp, self.n_micro, par.pp_virtual_stages)
-        times: dict[str, list[float]] = {}
+        times: dict[tuple[int, str], list[float]] = {}
         for r in per_rank:
             for key, seconds in (r.get("pipeline_action_s") or {}).items():
                 times.setdefault(key, []).extend(seconds)
-        measured = {key: statistics.median(v) for key, v in times.items() if v}
-        costs = {(int(key.split(":")[0]), key.split(":")[1]): v for key, v in measured.items()}
+        costs = {key: statistics.median(v) for key, v in times.items() if v}
         unit = schedule_bubble(*order)
         theory = schedule_bubble(*order, costs={**ACTION_COSTS, **costs}) if costs else unit
         bubbles = [1.0 - sum(b) / len(b) for b in per_step]
         return {"schedule": par.pp_schedule, "stages": self.parts.n_stages, "microbatches": self.n_micro,
                 "theoretical_bubble": theory, "unit_cost_bubble": unit, "formula_bubble": formula,
-                "action_seconds": measured,
+                "action_seconds": {f"{stage}:{kind}": v for (stage, kind), v in sorted(costs.items())},
                 "measured_bubble": statistics.median(bubbles) if bubbles else None,
                 "measured_bubble_per_step": bubbles,
                 "busy_fraction_per_rank": [statistics.median(col) for col in zip(*per_step)]}
