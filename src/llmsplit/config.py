@@ -348,6 +348,9 @@ def _divisor_list(n: int) -> str:
 
 
 V_SCHEDULES = ("zbv", "dualpipev")
+# Schedules that split a backward into an input-gradient and a later weight-gradient pass
+# (both V schedules in torch 2.13).
+SPLIT_BACKWARD_SCHEDULES = V_SCHEDULES
 
 
 def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..config import Config
+from ..config import SPLIT_BACKWARD_SCHEDULES, Config
 from ..models.llama import LlamaConfig, Transformer
 from .data_parallel import apply_ddp, apply_fsdp, local_optimizer, zero1_optimizer
 from .memory import NvmeAdamW, apply_activation_checkpointing
@@ -56,7 +56,8 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         parts = make_stages(parts)
     if par.zero >= 2:
         roots = parts.stage_modules if parts is not None else [model]
-        apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=mem.offload == "cpu")
+        apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=mem.offload == "cpu",
+                   split_backward=par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
     # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
     model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)

@@ -54,11 +54,18 @@ def _no_buffer_sync() -> dict:
 
 
 def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, precision: str,
-               cpu_offload: bool) -> nn.Module:
+               cpu_offload: bool, split_backward: bool = False) -> nn.Module:
     """Shard `model` (still on the meta device) in place; weights are materialised later,
     already sharded, so no rank ever holds the whole model. `roots` are the modules that
     are called: the model itself, or each pipeline stage (whose embedding, norm and head
-    become that stage's root group)."""
+    become that stage's root group).
+
+    `split_backward`: a pipeline schedule runs a micro-batch's weight-gradient pass after
+    later forwards (zbv, dualpipev). zero 3 then keeps a stage's parameters gathered from
+    forward to its last weight-gradient pass of the step, as zero 2 does: resharding after
+    each forward freed them while a weight-gradient pass was still due, and its gradients
+    were lost (zbv, dp 2 × pp 2: losses off the single process from the second step). The
+    schedule reshards each stage after its last use in the step."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     assert zero in (2, 3), zero
@@ -67,7 +74,7 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     if cpu_offload:
         # Pinned host memory needs an accelerator; a CPU-only build refuses it.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
-    reshard = zero == 3
+    reshard = zero == 3 and not split_backward
     units = list(model.layers.values()) + list(roots)
     # The root holds the embedding, final norm and output layer; FSDP never frees the
     # root's parameters after forward (they are needed first in backward).

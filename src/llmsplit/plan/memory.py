@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig
 from .hardware import Device
 from .layout import Layout, Workload, microbatches, rank_layers
@@ -281,9 +282,12 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
     if layout.zero >= 2:
         unit = layer_params(cfg, layout.tp)
         # The root unit is never resharded after forward; zero 2 keeps every block gathered
-        # from forward to backward, zero 3 holds the current block and prefetches the next.
+        # from forward to backward, zero 3 holds the current block and prefetches the next,
+        # except under a schedule with split backward, where it keeps them as zero 2 does
+        # (data_parallel.apply_fsdp).
         root = fsdp_root_params(cfg, layout, stage)
-        out["gathered_params"] = c * (n_params if layout.zero == 2 else root + 2 * unit)
+        all_gathered = layout.zero == 2 or (layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
+        out["gathered_params"] = c * (n_params if all_gathered else root + 2 * unit)
         # A block's unsharded gradient in compute dtype, and its fp32 copy for reduce-scatter.
         out["unsharded_grads"] = (c + FP32) * max(unit, root) if c != FP32 else FP32 * max(unit, root)
         if microbatches(layout, work) > 1:
