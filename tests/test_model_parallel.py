@@ -32,6 +32,9 @@ LAYOUTS = [
     (4, ["parallel.tp=2", "parallel.zero=3"]),                # FSDP × TP
     (4, ["parallel.pp=2", "parallel.tp=2"]),                  # PP × TP
     (4, ["parallel.pp=2", "parallel.zero=3"]),                # PP × FSDP
+    # Split backward × FSDP: parameters must stay gathered until the weight-gradient pass.
+    (4, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.zero=3"]),
+    (4, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.zero=3", "train.micro_batch=1"]),
     (4, ["parallel.pp=2", "parallel.zero=1"]),                # PP × ZeRO-1
     (4, ["parallel.pp=4", "parallel.pp_schedule=1f1b"]),      # one layer per stage
     (4, ["parallel.pp=2", "parallel.tp=2", "memory.activation_checkpoint=full"]),
@@ -66,7 +69,9 @@ def test_pipeline_ranks_hold_only_their_stages(reference, tmp_path):
     bubble = json.loads((tmp_path / "run" / "summary.json").read_text())["pipeline"]
     assert bubble["schedule"] == "1f1b" and bubble["microbatches"] == 4
     assert bubble["formula_bubble"] == pytest.approx(1 / 5) and bubble["unit_cost_bubble"] == pytest.approx(1 / 5)
-    assert 0.0 < bubble["theoretical_bubble"] < 1.0  # the time line with this run's action times
+    assert 0.0 < bubble["theoretical_bubble"] < 1.0  # the time line with each step's action times
+    assert 0.0 < bubble["median_cost_bubble"] < 1.0
+    assert len(bubble["theoretical_bubble_per_step"]) == len(bubble["measured_bubble_per_step"])
     assert {"0:F", "0:B", "1:F", "1:B"} <= set(bubble["action_seconds"])
     assert 0.0 <= bubble["measured_bubble"] < 1.0 and len(bubble["measured_bubble_per_step"]) >= 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
