@@ -8,8 +8,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llmsplit.models import LlamaConfig, Transformer
-from llmsplit.parallel.pipeline import (bubble_fraction, schedule_bubble, single_stage_order, split_layers,
-                                       stage_ids_of_rank)
+from llmsplit.parallel.pipeline import (ACTION_COSTS, bubble_fraction, post_receives_first, schedule_bubble,
+                                       single_stage_order, split_layers, stage_ids_of_rank)
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, max_seq_len=32)
 
@@ -98,6 +98,25 @@ def test_simulated_bubble_of_gpipe_and_1f1b_is_the_formula(p, m):
     # A slower last stage: the others wait for it, so the bubble grows past the formula.
     slow_last = {**costs, (p - 1, "F"): 1.5, (p - 1, "B"): 5.0}
     assert schedule_bubble(single_stage_order("1f1b", p, m), ranks, slow_last) > (p - 1) / (m + p - 1)
+
+
+def test_simulated_bubble_takes_the_duration_of_single_actions():
+    # GPipe, p = 2, m = 2, with stage 0's first forward taking 3 instead of 1 (the most
+    # specific key wins): rank 1 starts at 3, ends its backwards at 9, rank 0 at 11. Busy
+    # 8 + 6 of 2 × 11.
+    costs = {**ACTION_COSTS, (0, "F"): 1.0, (0, "F", 0): 3.0}
+    assert schedule_bubble(single_stage_order("gpipe", 2, 2), {0: 0, 1: 1}, costs) == pytest.approx(1 - 14 / 22)
+    assert schedule_bubble(single_stage_order("gpipe", 2, 2), {0: 0, 1: 1}) == pytest.approx(1 / 3)
+
+
+def test_receives_are_posted_first_in_their_own_order():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+
+    actions = [_Action(1, C.FORWARD, 0), _Action(1, C.RECV_F, 1), _Action(1, C.SEND_F, 0),
+               _Action(1, C.RECV_B, 0), _Action(1, C.FORWARD, 1), _Action(1, C.RECV_F, 2)]
+    order = {1: list(actions)}
+    post_receives_first(order)
+    assert order[1] == [actions[1], actions[3], actions[5], actions[0], actions[2], actions[4]]
 
 
 def test_simulated_bubble_follows_the_dependencies_of_split_backward():
