@@ -524,7 +524,12 @@ class _Pipeline:
                 continue
             per_rank_busy.append([busy / longest for busy, _, _ in steps])
             measured.append(1.0 - sum(per_rank_busy[-1]) / len(steps))
-            actions = {key: seconds for _, _, rank_actions in steps for key, seconds in rank_actions.items()}
+            # With data parallel, each pipeline replica ran the same actions: their mean.
+            replicas: dict[tuple[int, str, int], list[float]] = {}
+            for _, _, rank_actions in steps:
+                for key, seconds in rank_actions.items():
+                    replicas.setdefault(key, []).append(seconds)
+            actions = {key: statistics.fmean(v) for key, v in replicas.items()}
             theory.append(schedule_bubble(*order, costs={**ACTION_COSTS, **actions}))
             for (stage, kind, _), seconds in actions.items():
                 times.setdefault((stage, kind), []).append(seconds)
