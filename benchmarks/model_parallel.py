@@ -31,9 +31,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 # layouts, not a throughput-optimal setting.
 BIG = ["model.dim=768", "model.n_layers=16", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_dim=2048",
        "data.seq_len=32", "train.global_batch=4", "train.micro_batch=1"]
-# The bubble sweep: the same ~101M model, micro-batches of 2 × 128 tokens.
-SWEEP = [*BIG[:5], "data.seq_len=128", "train.micro_batch=2"]
-SWEEP_STEPS = 6  # the first is warm-up; the bubble is the median of the other five
+# The bubble sweep: the same ~101M model, micro-batches of 4 × 256 tokens. What the
+# pipeline runtime costs per action (a gloo send or receive, the schedule's Python) is
+# nearly fixed, so it is a smaller share of an action of 1024 tokens than of 256: at 256
+# (2 × 128) it was ~0.7% of the step, against bubbles of 3-5% for the V schedules at m=8.
+SWEEP_MICRO_BATCH = 4
+SWEEP = [*BIG[:5], "data.seq_len=256", f"train.micro_batch={SWEEP_MICRO_BATCH}"]
+SWEEP_STEPS = 8  # the first is warm-up; the bubble is the median of the other seven
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
         "data.seq_len=32", "train.micro_batch=2"]
 
@@ -79,10 +83,9 @@ def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble"))
         tmp = Path(tmp)
         if quick:  # one tiny pipeline run: the code path, not a measurement
             throughput, ms, model = [("pp 2 1f1b", 2, _schedule_sets("1f1b"))], [], TINY
-            sweep = [("1f1b", 2)]
-            steps = 2
+            sweep, steps, mb = [("1f1b", 2)], 2, 2
         else:
-            throughput, ms, model, steps = THROUGHPUT, [2, 4, 8], SWEEP, SWEEP_STEPS
+            throughput, ms, model, steps, mb = THROUGHPUT, [2, 4, 8], SWEEP, SWEEP_STEPS, SWEEP_MICRO_BATCH
             # DualPipeV runs 2 stages per rank and needs m >= 2p micro-batches (refused below).
             sweep = [(s, m) for m in ms for s in SCHEDULES if not (s == "dualpipev" and m < 4)] \
                 if "bubble" in parts else []
@@ -95,11 +98,12 @@ def main(quick: bool = False, parts: tuple[str, ...] = ("throughput", "bubble"))
                   f"{max(r['peak_per_rank_mib']):.0f} MiB", file=sys.stderr)
         bubbles = []
         for i, (schedule, m) in enumerate(sweep):
-            mb = 2
             r = run(tmp / f"b{i}", 2, [*model, *_schedule_sets(schedule), f"train.global_batch={m * mb}"], steps)
             p = r["pipeline"]
             bubbles.append({"schedule": schedule, "m": m, "measured": p["measured_bubble"],
                             "theory": p["theoretical_bubble"], "formula": p["formula_bubble"],
+                            "theory_per_step": p["theoretical_bubble_per_step"],
+                            "median_cost": p["median_cost_bubble"],
                             "unit": p["unit_cost_bubble"], "action_seconds": p["action_seconds"],
                             "per_step": p["measured_bubble_per_step"], "busy_per_rank": p["busy_fraction_per_rank"],
                             "tokens_per_s": r["tokens_per_s"]})
@@ -126,15 +130,18 @@ def to_markdown(r: dict) -> list[str]:
         lines.append("")
     lines += ["Pipeline bubble, pp 2. Measured: each step's 1 − busy ÷ the longest rank's step time, averaged "
               "over the ranks; the median over the steps after the first. Theory: the schedule's own order of "
-              "compute actions, timed with this run's median time of each action on each stage and no "
-              "communication. Unit costs: the same order with F = I = W = 1, B = 2. Formula: (p−1)/(v·m+p−1).", "",
-              "| schedule | m | measured | theory | measured ÷ theory | unit costs | formula | measured ÷ formula "
-              "| per step | busy per rank |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+              "compute actions played out with the durations they took in that step and no communication; the "
+              "median over the same steps. Median costs: that order with each action's median duration over "
+              "the run. Unit costs: with F = I = W = 1, B = 2. Formula: (p−1)/(v·m+p−1). Per step: measured / "
+              "theory.", "",
+              "| schedule | m | measured | theory | measured ÷ theory | median costs | unit costs | formula "
+              "| measured ÷ formula | per step (measured / theory) | busy per rank |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for b in r["bubbles"]:
+        steps = ", ".join(f"{x:.3f}/{y:.3f}" for x, y in zip(b["per_step"], b["theory_per_step"]))
         lines.append(f"| {b['schedule']} | {b['m']} | {b['measured']:.3f} | {b['theory']:.3f} | "
-                     f"{b['measured'] / b['theory']:.2f} | {b['unit']:.3f} | {b['formula']:.3f} | "
-                     f"{b['measured'] / b['formula']:.2f} | {', '.join(f'{x:.3f}' for x in b['per_step'])} | "
+                     f"{b['measured'] / b['theory']:.2f} | {b['median_cost']:.3f} | {b['unit']:.3f} | "
+                     f"{b['formula']:.3f} | {b['measured'] / b['formula']:.2f} | {steps} | "
                      f"{', '.join(f'{x:.2f}' for x in b['busy_per_rank'])} |")
     return lines
 
