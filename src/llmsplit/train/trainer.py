@@ -438,10 +438,10 @@ class _Pipeline:
         scale = scaler.scale if scaler else (lambda x: x)
         loss_fn = lambda out, target: scale(token_loss(out, target, denominator))  # noqa: E731
         self.schedule = build_schedule(self.parts, par.pp_schedule, self.n_micro, loss_fn, device, mesh.group("pp"))
-        # Each step after the first (which pays for shape inference and warm-up): (busy
-        # seconds, step seconds, {(stage, kind, micro-batch): seconds of that compute action}).
-        # The latest ones only; they feed the bubble's medians at the end.
-        self.per_step: deque[tuple[float, float, dict]] = deque(maxlen=200)
+        # Each step after the first (which pays for shape inference and warm-up): (step
+        # seconds, {(stage, kind, micro-batch): seconds of that compute action}); the rank's
+        # busy time is their sum. The latest ones only; they feed the bubble's medians.
+        self.per_step: deque[tuple[float, dict]] = deque(maxlen=200)
         self.steps = 0
         self._step_actions: dict[tuple[int, str, int], float] = {}
         for stage in _schedule_stages(self.schedule):
@@ -476,7 +476,7 @@ class _Pipeline:
         elapsed = time.perf_counter() - t0
         self.steps += 1
         if self.steps > 1:
-            self.per_step.append((sum(self._step_actions.values()), elapsed, self._step_actions))
+            self.per_step.append((elapsed, self._step_actions))
         loss_sum = torch.zeros((), device=self.device)
         for loss in losses:
             loss_sum += _plain(loss.detach())
@@ -502,7 +502,7 @@ class _Pipeline:
         one typical duration per action, matters where the theory is small: an action that
         runs long on one rank idles the ranks waiting for it, and that idle time is the
         schedule's (its dependencies), not the runtime's. On the 101M benchmark model, zbv at
-        m=8 gave 0.034 this way against 0.028 from median durations.
+        m=8 gave 0.030 this way against 0.028 from median durations (BENCHMARKS.md).
 
         `median_cost_bubble` is the same time line with each action's median duration over
         the run (`action_seconds`). The schedule's bubble depends on what its actions cost:
@@ -518,15 +518,15 @@ class _Pipeline:
         rows = [r["pipeline_steps"] for r in per_rank if r.get("pipeline_steps")]
         per_rank_busy, measured, theory = [], [], []
         times: dict[tuple[int, str], list[float]] = {}
-        for steps in zip(*rows):  # one (busy, step seconds, action seconds) per rank
-            longest = max(step for _, step, _ in steps)
+        for steps in zip(*rows):  # one (step seconds, action seconds) per rank
+            longest = max(step for step, _ in steps)
             if longest <= 0:
                 continue
-            per_rank_busy.append([busy / longest for busy, _, _ in steps])
+            per_rank_busy.append([sum(rank_actions.values()) / longest for _, rank_actions in steps])
             measured.append(1.0 - sum(per_rank_busy[-1]) / len(steps))
             # With data parallel, each pipeline replica ran the same actions: their mean.
             replicas: dict[tuple[int, str, int], list[float]] = {}
-            for _, _, rank_actions in steps:
+            for _, rank_actions in steps:
                 for key, seconds in rank_actions.items():
                     replicas.setdefault(key, []).append(seconds)
             actions = {key: statistics.fmean(v) for key, v in replicas.items()}
