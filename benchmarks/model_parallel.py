@@ -5,9 +5,9 @@ Every row is one `llmsplit train` run through the command line; tokens/s is the 
 over the steps after the first (which pays for warm-up and pipeline shape inference), and
 the per-rank peak memory and the bubble are what the run wrote to summary.json (the median
 over the steps after the first of each step's bubble, against the schedule's own figure).
-The bubble sweep uses the throughput table's ~100M model with longer sequences (2 × 128
-tokens per micro-batch), so that a stage's forward takes ~0.2 s next to gloo's
-milliseconds per message.
+The bubble sweep uses the throughput table's ~100M model with longer micro-batches (4 × 256
+tokens), so that a stage's forward takes 0.3–0.7 s next to the runtime's fraction of a
+millisecond per message.
 
 `python -m benchmarks.model_parallel [--quick]` runs it alone and draws
 docs/img/bubble.png; `python -m benchmarks model_parallel` includes it in the report.
