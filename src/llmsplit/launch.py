@@ -10,8 +10,6 @@ import uuid
 
 import torch
 
-from .train.hangs import PEER_GONE
-
 
 class LaunchError(RuntimeError):
     """A worker failed (the message names the rank and what it reported), or the nodes
@@ -104,6 +102,12 @@ def _small_mmap_threshold() -> None:
         ctypes.CDLL(None).mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+# What the other ranks report once one rank has died: the peer's connection closed under
+# them. Naming such a rank would hide the one that failed first (here and train/entry.py).
+PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+             "communicator was aborted")
 
 
 def _root_failure(failures: dict) -> tuple[int, str]:

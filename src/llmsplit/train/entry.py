@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record
 def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
     """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
-    from .hangs import PEER_GONE
+    from ..launch import PEER_GONE
     from .trainer import train_worker
 
     try:

@@ -21,10 +21,6 @@ import torch.distributed as dist
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-# What the other ranks report once one rank has died: the peer's connection closed under
-# them. Naming such a rank would hide the one that failed first (launch.py, entry.py).
-PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-             "communicator was aborted")
 
 
 class CollectiveTimeout(RuntimeError):
