@@ -165,11 +165,12 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
     budgets (shrunk by measured/predicted for a measured stop, less MARGIN), so applying it
     makes the load fit. Returns {"text", "breakdown", "scale", "suggestions": [[flag, value], ...]}."""
     from ..infer.distributed import check_split
-    from ..infer.placement import MODES, PlacementError, _usage, fmt_bytes, kind, place, units
+    from ..infer.placement import MODES, PlacementError, fmt_bytes, kind, place, units, usage_by_device
 
     dev_of = lambda b: next((d for d in b if kind(d) not in ("cpu", "disk")), "cpu")  # noqa: E731
     exec_device = dev_of(budgets)
-    whole = _usage(cfg, {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}, exec_device, sizes)[exec_device]
+    on_one = {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}
+    whole = usage_by_device(cfg, on_one, exec_device, sizes)[exec_device]
     scale = 1.0
     if failure is not None:
         try:

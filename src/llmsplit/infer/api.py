@@ -130,12 +130,12 @@ def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
 
 
 def _split_map(cfg, tp: int, pp: int) -> dict[str, str]:
-    from .distributed import _device, stage_layers
+    from .distributed import rank_device, stage_layers
 
     dmap = {}
     for stage in range(pp):
         ranks = list(range(stage * tp, (stage + 1) * tp))
-        where = ", ".join(f"{_device(r, tp * pp)} (rank {r})" for r in ranks)
+        where = ", ".join(f"{rank_device(r, tp * pp)} (rank {r})" for r in ranks)
         units = ((["tok_embeddings"] if stage == 0 else []) + [f"layers.{i}" for i in stage_layers(cfg.n_layers, pp, stage)]
                  + (["norm", "output"] if stage == pp - 1 else []))
         dmap.update({u: where for u in units})

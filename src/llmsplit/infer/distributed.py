@@ -58,7 +58,8 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
     return list(range(start, start + base + (stage < extra)))
 
 
-def _device(rank: int, world: int) -> str:
+def rank_device(rank: int, world: int) -> str:
+    """The device of worker `rank`: its own GPU when there is one per worker, else the CPU."""
     return f"cuda:{rank}" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
 
 
@@ -82,7 +83,7 @@ def _setup(rank: int, spec: SplitSpec, procs=()):
     from ..io.weights import open_weights
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
-    device = _device(rank, spec.world)
+    device = rank_device(rank, spec.world)
     store = dist.TCPStore("127.0.0.1", spec.port, spec.world, is_master=rank == 0, timeout=timedelta(minutes=10))
     if rank == 0:
         _wait(store, [f"joined/{r}" for r in range(1, spec.world)], procs)

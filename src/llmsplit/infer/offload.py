@@ -70,7 +70,7 @@ class Offloader:
             torch.cuda.current_stream(self.exec_device).wait_event(event)
         module = self._modules[name]
         for key, t in tensors.items():
-            _set(module, key, t)
+            set_parameter(module, key, t)
         nxt = self._order[(self._order.index(name) + 1) % len(self._order)]
         if nxt != name and nxt not in self._pending:
             self._pending[nxt] = self._pool.submit(self._load, nxt)
@@ -78,13 +78,14 @@ class Offloader:
     def _release(self, name: str) -> None:
         module = self._modules[name]
         for key, p in list(module.named_parameters()):
-            _set(module, key, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            set_parameter(module, key, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` (not a copy) the frozen parameter `name` ("attention.wq.weight") of `module`."""
     owner, _, attr = name.rpartition(".")
     target = module.get_submodule(owner) if owner else module
     target._parameters[attr] = nn.Parameter(tensor, requires_grad=False)

@@ -115,20 +115,20 @@ def place(cfg: LlamaConfig, budgets: dict[str, int | None], mode: str | dict = "
         dmap = _explicit_map(all_units, explicit)
         accel = [d for d in dict.fromkeys(dmap.values()) if kind(d) not in ("cpu", "disk")]
         exec_device = accel[0] if accel else "cpu"
-        usage = _usage(cfg, dmap, exec_device, sizes)
+        usage = usage_by_device(cfg, dmap, exec_device, sizes)
         _check(usage, budgets, cfg, sizes)
         return Placement(dmap, exec_device, usage, dict(budgets))
     if mode == "balanced":
         accel = [d for d in order if kind(d) not in ("cpu", "disk")]
         dmap = _balanced(cfg, all_units, accel, budgets, sizes) if accel else None
         if dmap is not None:
-            return Placement(dmap, exec_device, _usage(cfg, dmap, exec_device, sizes), dict(budgets))
+            return Placement(dmap, exec_device, usage_by_device(cfg, dmap, exec_device, sizes), dict(budgets))
     dmap = _fill(cfg, all_units, order, budgets, exec_device, sizes)
     if dmap is None:
         # Everything on the last tier shows the shortfall against the budgets.
         dmap = {u: order[-1] if order else "cpu" for u, _ in all_units}
-        _check(_usage(cfg, dmap, exec_device, sizes), budgets, cfg, sizes, whole=True)
-    return Placement(dmap, exec_device, _usage(cfg, dmap, exec_device, sizes), dict(budgets))
+        _check(usage_by_device(cfg, dmap, exec_device, sizes), budgets, cfg, sizes, whole=True)
+    return Placement(dmap, exec_device, usage_by_device(cfg, dmap, exec_device, sizes), dict(budgets))
 
 
 def _offloaded(device: str, exec_device: str) -> bool:
@@ -136,7 +136,8 @@ def _offloaded(device: str, exec_device: str) -> bool:
     return device == "disk" or (device == "cpu" and exec_device != "cpu")
 
 
-def _usage(cfg: LlamaConfig, dmap: dict[str, str], exec_device: str, s: Sizes) -> dict[str, dict[str, int]]:
+def usage_by_device(cfg: LlamaConfig, dmap: dict[str, str], exec_device: str, s: Sizes) -> dict[str, dict[str, int]]:
+    """{device: {"weights", "kv_cache", "workspace", "staging", "reserve": bytes}} under `dmap`."""
     sizes = dict(units(cfg, s.dtype_bytes))
     kv = kv_bytes_per_layer(cfg, s)
     usage: dict[str, dict[str, int]] = {}
@@ -250,7 +251,7 @@ def _greedy(cfg, todo, devices, dmap, budgets, exec_device, s: Sizes, scale: flo
 
 
 def _fits(cfg, dmap, exec_device, budgets, s: Sizes, scale: float) -> bool:
-    for dev, u in _usage(cfg, dmap, exec_device, s).items():
+    for dev, u in usage_by_device(cfg, dmap, exec_device, s).items():
         budget = budgets.get(dev)
         if budget is not None and u["total"] > (budget * scale if kind(dev) not in ("cpu", "disk") else budget):
             return False

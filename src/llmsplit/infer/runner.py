@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ConfigError
 from ..models.llama import Transformer, rope_tables
 from .kv_cache import PagedKVCache, Step
-from .offload import Offloader, _set
+from .offload import Offloader, set_parameter
 from .placement import Placement
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
 
@@ -97,7 +97,7 @@ class Runner:
                 self.devices[unit] = exec_device
                 continue
             for key, t in tensors.items():
-                _set(module, key, t.to(dev))
+                set_parameter(module, key, t.to(dev))
             self.devices[unit] = torch.device(dev)
         first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
         cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first, scaling=cfg.rope_scaling)
