@@ -9,9 +9,9 @@ import pytest
 from helpers import run_cli
 from llmsplit.config import load_config, model_config, validate
 from llmsplit.diagnose.oom import explain_oom, set_args
-from llmsplit.plan.api import layout_of_config
+from llmsplit.config import layout_of
 from llmsplit.plan.hardware import get_device
-from llmsplit.plan.layout import Layout
+from llmsplit.layout import Layout
 from llmsplit.train.limits import MemoryLimitExceeded, parse_oom
 
 # The tiny model on long sequences: activations dominate, so the limit can sit well away
@@ -67,7 +67,7 @@ def test_suggestions_fit_the_limit_and_scale_with_the_measurement(tmp_path):
     worse = explain_oom(cfg, model_cfg, 2, get_device("cpu", 2), {**failure, "peak_bytes": 1400 * 2**20})
     assert len(worse["suggestions"]) < len(report["suggestions"]) or not worse["suggestions"]
     assert worse["scale"] > report["scale"] >= 1.0
-    assert layout_of_config(cfg, 2).dp == 2
+    assert layout_of(cfg, 2).dp == 2
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llmsplit.models import LlamaConfig, Transformer
-from llmsplit.parallel.pipeline import (ACTION_COSTS, bubble_fraction, post_receives_first, schedule_bubble,
-                                       single_stage_order, split_layers, stage_ids_of_rank)
+from llmsplit.layout import (ACTION_COSTS, bubble_fraction, schedule_bubble, single_stage_order, split_layers,
+                             stage_ids_of_rank)
+from llmsplit.parallel.pipeline import post_receives_first
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, max_seq_len=32)
 

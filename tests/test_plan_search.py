@@ -11,7 +11,7 @@ from llmsplit.config import load_config, model_config, validate
 from llmsplit.models.presets import preset_config
 from llmsplit.plan.cost import model_flops_per_token, training_cost
 from llmsplit.plan.hardware import get_device
-from llmsplit.plan.layout import Layout, Workload
+from llmsplit.layout import Layout, Workload
 
 
 def test_llama3_70b_on_64_h100_has_layouts_that_fit_none_over_80gb():

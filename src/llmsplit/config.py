@@ -8,7 +8,6 @@ and what is allowed; the command line turns it into exit status 2.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -19,9 +18,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """A mistake in the user's configuration or command line (exit status 2)."""
+from .errors import ConfigError  # re-exported: callers import it from here too
+from .layout import CHECKPOINTING, OFFLOADS, PRECISIONS, SCHEDULES, Layout, Workload, check, resolve_dp
 
 
 @dataclass
@@ -118,10 +116,10 @@ class Config:
 
 CHOICES = {
     "train.lr_schedule": ("cosine", "linear", "constant"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"),
-    "memory.activation_checkpoint": ("none", "selective", "full"),
-    "memory.offload": ("none", "cpu", "nvme"),
+    "train.precision": PRECISIONS,
+    "parallel.pp_schedule": SCHEDULES,
+    "memory.activation_checkpoint": CHECKPOINTING,
+    "memory.offload": OFFLOADS,
 }
 
 # Keys whose features later releases deliver; refusing them here is more honest than
@@ -230,168 +228,60 @@ def _base_type(annotation: str):
 def resolve_world(cfg: Config, world_size: int) -> None:
     """Fill in `parallel.dp` (and sequence_parallel) from the world size, or refuse the layout."""
     par = cfg.parallel
-    if par.tp < 1 or par.pp < 1:
-        bad = "parallel.tp" if par.tp < 1 else "parallel.pp"
-        raise ConfigError(f"{bad}={getattr(par, bad.split('.')[1])} must be at least 1")
-    if par.dp == -1:
-        if world_size % (par.tp * par.pp):
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp × parallel.pp = "
-                              f"{par.tp * par.pp}; change --nproc or the tp/pp degrees")
-        par.dp = world_size // (par.tp * par.pp)
-    elif par.dp < 1:
-        raise ConfigError(f"parallel.dp={par.dp} must be -1 (what is left) or at least 1")
-    if par.dp * par.tp * par.pp != world_size:
-        raise ConfigError(f"parallel.dp × tp × pp = {par.dp}×{par.tp}×{par.pp} = {par.dp * par.tp * par.pp} "
-                          f"but the world size is {world_size}; set parallel.dp=-1 or --nproc "
-                          f"{par.dp * par.tp * par.pp}")
+    par.dp = resolve_dp(par.dp, par.tp, par.pp, world_size)
     if par.sequence_parallel is None:
         par.sequence_parallel = par.tp > 1
 
 
+def layout_of(cfg: Config, world_size: int) -> Layout:
+    """The layout a training config runs. Sequence parallel stays at its default (None) when
+    the config has the default, so that a planner changing tp keeps the default."""
+    par, mem = cfg.parallel, cfg.memory
+    dp = par.dp if par.dp > 0 else resolve_dp(-1, par.tp, par.pp, world_size)
+    sp = None if par.sequence_parallel in (None, par.tp > 1) else par.sequence_parallel
+    return Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp, sequence_parallel=sp, pp=par.pp,
+                  pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages,
+                  pp_microbatches=par.pp_microbatches, micro_batch=cfg.train.micro_batch,
+                  activation_checkpoint=mem.activation_checkpoint, offload=mem.offload)
+
+
+def workload_of(cfg: Config) -> Workload:
+    return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision)
+
+
 def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int | None = None) -> None:
-    """Refuse what cannot run, before any worker starts. Fills in derived values."""
-    t, d, par, mem, ck = cfg.train, cfg.data, cfg.parallel, cfg.memory, cfg.checkpoint
+    """Refuse what cannot run, before any worker starts. Fills in derived values. The
+    splitting rules are `layout.check`'s; this adds the keys that are not about splitting."""
+    t, mem = cfg.train, cfg.memory
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(repr, allowed))}")
-    _at_least(cfg, "train.steps", 1)
-    _at_least(cfg, "train.global_batch", 1)
-    _at_least(cfg, "train.micro_batch", 1)
-    _at_least(cfg, "train.warmup_steps", 0)
-    _at_least(cfg, "train.weight_decay", 0)
-    _at_least(cfg, "train.grad_clip", 0)
-    _at_least(cfg, "train.log_every", 1)
-    _at_least(cfg, "train.seed", 0)
-    _at_least(cfg, "data.seq_len", 2)
-    _at_least(cfg, "checkpoint.every", 0)
-    _at_least(cfg, "checkpoint.keep", 1)
-    _at_least(cfg, "train.profile_steps", 0)
+    for key, low in (("train.steps", 1), ("train.global_batch", 1), ("train.micro_batch", 1),
+                     ("train.warmup_steps", 0), ("train.weight_decay", 0), ("train.grad_clip", 0),
+                     ("train.log_every", 1), ("train.seed", 0), ("data.seq_len", 2), ("checkpoint.every", 0),
+                     ("checkpoint.keep", 1), ("train.profile_steps", 0), ("parallel.dp_replicate", 1),
+                     ("parallel.pp_virtual_stages", 1)):
+        _at_least(cfg, key, low)
     if mem.limit_bytes is not None:
         _at_least(cfg, "memory.limit_bytes", 1)
-    _at_least(cfg, "parallel.dp_replicate", 1)
-    _at_least(cfg, "parallel.pp_virtual_stages", 1)
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be greater than 0")
     if not t.timeout_s > 0:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
-    if par.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero={par.zero} is not one of: 0, 1, 2, 3")
     resolve_world(cfg, world_size)
-    if par.dp % par.dp_replicate:
-        raise ConfigError(f"parallel.dp={par.dp} is not divisible by parallel.dp_replicate={par.dp_replicate}")
-    if par.dp_replicate > 1 and par.zero < 2:
-        raise ConfigError(f"parallel.dp_replicate={par.dp_replicate} (hybrid sharding) needs parallel.zero=2 or 3")
-    if t.global_batch % (par.dp * t.micro_batch):
-        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.dp × train.micro_batch "
-                          f"= {par.dp}×{t.micro_batch} = {par.dp * t.micro_batch}; change one of them")
-    if par.pp > 1:
-        _check_pipeline(cfg)
-    if mem.offload == "cpu" and par.zero < 2:
-        raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
-                          f"not {par.zero}")
+    check(model_cfg, layout_of(cfg, world_size), workload_of(cfg), world_size)
     if mem.offload == "nvme":
         _check_offload_dir(mem.offload_dir)
     _check_precision_supported(t.precision)
     for key, (allowed, why) in NOT_YET.items():
         if _get(cfg, key) != allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: {why}")
-    if model_cfg is not None:
-        if model_cfg.n_heads % par.tp:
-            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp={par.tp}; use "
-                              f"parallel.tp in {_divisor_list(model_cfg.n_heads)}")
-        if model_cfg.dim % model_cfg.n_heads:
-            raise ConfigError(f"model.dim={model_cfg.dim} is not divisible by model.n_heads={model_cfg.n_heads}")
-        if model_cfg.n_heads % model_cfg.n_kv_heads:
-            raise ConfigError(f"model.n_heads={model_cfg.n_heads} is not divisible by "
-                              f"model.n_kv_heads={model_cfg.n_kv_heads}")
-        if model_cfg.head_dim % 2:
-            raise ConfigError(f"model.dim / model.n_heads = {model_cfg.head_dim} must be even for rotary embeddings")
-        n_stages = par.pp * pipeline_stages_per_rank(par.pp_schedule, par.pp_virtual_stages) if par.pp > 1 else 1
-        if model_cfg.n_layers < n_stages:
-            raise ConfigError(f"model.n_layers={model_cfg.n_layers} is fewer than the {n_stages} pipeline stages "
-                              f"(parallel.pp × stages per rank of {par.pp_schedule!r}); lower parallel.pp or "
-                              f"parallel.pp_virtual_stages")
-        if par.pp > 1 and model_cfg.tie_embeddings:
-            raise ConfigError("model.tie_embeddings=true shares the embedding with the output head, which pipeline "
-                              "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
-        kv = model_cfg.n_kv_heads
-        if kv % par.tp and par.tp % kv:
-            # Each rank needs whole kv heads: a share of them, or one replicated (tp a multiple).
-            fits = [t for t in divisors(model_cfg.n_heads) if kv % t == 0 or t % kv == 0]
-            raise ConfigError(f"model.n_kv_heads={kv} is neither divisible by nor a divisor of parallel.tp={par.tp}; "
-                              f"use parallel.tp in {', '.join(map(str, fits))}")
-        if model_cfg.ffn_dim % par.tp:
-            raise ConfigError(f"model.ffn_dim={model_cfg.ffn_dim} is not divisible by parallel.tp={par.tp}; use "
-                              f"parallel.tp in {_divisor_list(math.gcd(model_cfg.ffn_dim, model_cfg.n_heads))}")
-        if model_cfg.vocab_size % par.tp:
-            padded = -(-model_cfg.vocab_size // par.tp) * par.tp
-            raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is not divisible by parallel.tp={par.tp}; "
-                              f"set model.vocab_size={padded} (the extra rows are never used)")
-        if d.seq_len > model_cfg.max_seq_len:
-            raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
-                              f"lower data.seq_len or raise model.max_seq_len")
-        if tokenizer_vocab is not None and model_cfg.vocab_size < tokenizer_vocab:
-            raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                              f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
-    del ck
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _divisor_list(n: int) -> str:
-    return ", ".join(map(str, divisors(n)))
-
-
-V_SCHEDULES = ("zbv", "dualpipev")
-# Schedules that split a backward into an input-gradient and a later weight-gradient pass
-# (both V schedules in torch 2.13).
-SPLIT_BACKWARD_SCHEDULES = V_SCHEDULES
-
-
-def pipeline_stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    """Stages each pipeline rank holds: two in a V for zbv/dualpipev, pp_virtual_stages
-    for interleaved_1f1b, one otherwise."""
-    if schedule in V_SCHEDULES:
-        return 2
-    return virtual_stages if schedule == "interleaved_1f1b" else 1
-
-
-def stage_ids_of_rank(schedule: str, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Looped schedules give rank r stages r, r+p, r+2p…; V schedules give r and 2p−1−r."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(pipeline_stages_per_rank(schedule, virtual_stages))]
-
-
-def _check_pipeline(cfg: Config) -> None:
-    par, t = cfg.parallel, cfg.train
-    if par.pp_virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zbv", "dualpipev"):
-        raise ConfigError(f"parallel.pp_virtual_stages={par.pp_virtual_stages} needs "
-                          f"parallel.pp_schedule=\"interleaved_1f1b\" (or 1)")
-    if par.pp_schedule in ("zbv", "dualpipev") and par.pp_virtual_stages not in (1, 2):
-        raise ConfigError(f"parallel.pp_schedule={par.pp_schedule!r} always puts 2 stages on each rank; "
-                          f"set parallel.pp_virtual_stages=2 (or leave it at 1)")
-    per_rank = t.global_batch // par.dp
-    if par.pp_microbatches is not None:
-        if par.pp_microbatches < 1 or per_rank % par.pp_microbatches:
-            raise ConfigError(f"parallel.pp_microbatches={par.pp_microbatches} must divide the {per_rank} sequences "
-                              f"of each data-parallel rank (train.global_batch / parallel.dp)")
-        n_micro, source = par.pp_microbatches, f"parallel.pp_microbatches={par.pp_microbatches}"
-    else:
-        n_micro = per_rank // t.micro_batch
-        source = f"train.global_batch / (parallel.dp × train.micro_batch) = {n_micro} micro-batches"
-    if n_micro < par.pp:
-        raise ConfigError(f"{source} is fewer than parallel.pp={par.pp}: the schedule needs at least one micro-batch "
-                          f"per stage; raise train.global_batch or lower train.micro_batch")
-    if par.pp_schedule == "dualpipev" and n_micro < 2 * par.pp:
-        # torch's DualPipeV refuses, at the first step, fewer micro-batches than its 2·pp stages.
-        raise ConfigError(f"{source} is fewer than the {2 * par.pp} stages of parallel.pp_schedule=\"dualpipev\" "
-                          f"(2 per rank); raise train.global_batch or lower train.micro_batch")
+    if model_cfg is not None and tokenizer_vocab is not None and model_cfg.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
 
 
 def _check_offload_dir(path: str | None) -> None:

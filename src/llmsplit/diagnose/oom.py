@@ -18,13 +18,14 @@ Two things widen that margin, both measured on 2 CPU workers (tiny model, seq 25
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
-from ..config import Config
+from ..config import Config, layout_of, workload_of
+from ..errors import ConfigError
+from ..layout import Layout, check
 from ..models.llama import LlamaConfig
-from ..plan.api import layout_of_config, runnable, workload_of_config
+from ..plan.api import runnable
 from ..plan.hardware import Device
-from ..plan.layout import Layout
 from ..plan.search import Candidate, evaluate, host_budget, single_changes, smallest_fit_advice
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -67,7 +68,7 @@ def suggestions(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
                 limit: int = 3) -> list[tuple[Layout, Candidate]]:
     """Layouts one or two keys away from the config's that `llmsplit train` runs and that
     fit `device` (after `scale`), fewest keys first, then fastest first."""
-    base, work = layout_of_config(cfg, world), workload_of_config(cfg)
+    base, work = layout_of(cfg, world), workload_of(cfg)
     margin = CPU_MARGIN if device.kind == "cpu" else MARGIN
     options: dict[Layout, int] = {}
     for _, one in single_changes(base, model_cfg, work, device):
@@ -102,7 +103,7 @@ def explain_oom(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
     """`failure` as `train.limits.parse_oom` reads it. Returns {"text": what to print,
     "breakdown", "scale", "suggestions": [[--set items], ...]}."""
     dev = budget_device(device, failure)
-    base, work = layout_of_config(cfg, world), workload_of_config(cfg)
+    base, work = layout_of(cfg, world), workload_of(cfg)
     current = evaluate(model_cfg, base, work, dev)
     predicted_seen = seen_bytes(current.memory.total, dev)
     scale = max(1.0, failure["peak_bytes"] / predicted_seen) if predicted_seen > 0 else 1.0
@@ -155,6 +156,56 @@ def infer_failure_from_cuda(error: BaseException, where: str) -> dict:
             "limit_bytes": torch.cuda.get_device_properties(index).total_memory, "where": where}
 
 
+@dataclass(frozen=True)
+class InferFailure:
+    """A load or generation that ran out of memory, as data: the exception's traceback holds
+    the half-loaded model, whose memory must be free before the budgets are read again."""
+
+    measured: dict | None  # the CUDA stop (`infer_failure_from_cuda`); None: placement refused the budgets
+
+
+def infer_oom_errors() -> tuple[type[BaseException], ...]:
+    """What a load or a generation raises when the model does not fit: placement refused the
+    memory budgets before loading, or CUDA ran out."""
+    import torch
+
+    from ..infer.placement import PlacementError
+
+    return PlacementError, torch.OutOfMemoryError
+
+
+def infer_failure(error: BaseException, where: str) -> InferFailure:
+    """`error`, one of `infer_oom_errors()` raised while `where` ("loading the model", "generating")."""
+    from ..infer.placement import PlacementError
+
+    return InferFailure(None if isinstance(error, PlacementError) else infer_failure_from_cuda(error, where))
+
+
+def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memory, offload_dir, dtype,
+                          max_batch: int, max_context: int | None, max_batch_flag: bool) -> str:
+    """What to print for `failure` of `llmsplit.load(model, ...)` with these arguments:
+    `explain_infer_oom` on the memory budgets as they are once the failed load is gone.
+    Call it after leaving the `except` block (see `InferFailure`)."""
+    import gc
+
+    import torch
+
+    from ..infer.api import placement_mode, run_sizes
+    from ..infer.placement import detect_budgets
+    from ..io.weights import open_weights
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # so that the budgets read below are the device's, not the failed load's
+    source = open_weights(model)
+    _, sizes = run_sizes(source, dtype, max_batch, max_context)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    report = explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
+                               placement_mode(device_map), failure.measured, offload_dir=offload_dir,
+                               max_batch_flag=max_batch_flag, gpus=gpus)
+    return report["text"]
+
+
 def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dict | None, *, offload_dir,
                       max_batch_flag: bool, gpus: int = 0) -> dict:
     """Why a model does not fit for generation and the one-flag changes that would.
@@ -164,7 +215,6 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
     (`infer_failure_from_cuda`). Every suggestion is checked by `place` itself on the same
     budgets (shrunk by measured/predicted for a measured stop, less MARGIN), so applying it
     makes the load fit. Returns {"text", "breakdown", "scale", "suggestions": [[flag, value], ...]}."""
-    from ..infer.distributed import check_split
     from ..infer.placement import MODES, PlacementError, fmt_bytes, kind, place, units, usage_by_device
 
     dev_of = lambda b: next((d for d in b if kind(d) not in ("cpu", "disk")), "cpu")  # noqa: E731
@@ -190,34 +240,8 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
         except PlacementError:
             return False
 
-    found: list[tuple[str, str, str]] = []  # (flag, value, what it costs)
-    for value in _halvings(sizes.context, 16):
-        if fits(replace(sizes, context=value)):
-            found.append(("--max-context", str(value), f"prompt + generated text limited to {value} tokens"))
-            break
-    if max_batch_flag:
-        for value in _halvings(sizes.batch, 1):
-            if fits(replace(sizes, batch=value)):
-                found.append(("--max-batch", str(value), f"{value} sequences decoded together"))
-                break
-    accel_budgets = [v for d, v in budgets.items() if kind(d) not in ("cpu", "disk") and v is not None]
-    if gpus > 1 and accel_budgets:
-        from ..plan.hardware import local_device
-        from ..plan.layout import Layout, Workload
-        from ..plan.memory import inference_memory
-
-        work = Workload(sizes.context, sizes.batch, {4: "fp32", 2: "bf16"}.get(sizes.dtype_bytes, "bf16"), "infer")
-        device = replace(local_device(gpus), memory_bytes=min(accel_budgets))
-        for n in (k for k in (2, 4, 8) if k <= gpus):
-            for flag, lay in (("--tp", Layout(tp=n)), ("--pp", Layout(pp=n))):
-                try:
-                    check_split(cfg, lay.tp, lay.pp)
-                except Exception:
-                    continue
-                if inference_memory(cfg, lay, work, device).total * scale <= (1 - MARGIN) * device.memory_bytes:
-                    found.append((flag, str(n), f"{n} GPUs, one worker each"))
-            if any(f in ("--tp", "--pp") for f, _, _ in found):
-                break
+    found = _shrink_changes(sizes, fits, max_batch_flag)
+    found += _split_changes(cfg, sizes, budgets, scale, gpus)
     if offload_dir is None and (isinstance(mode, str) and mode in MODES) and fits(sizes, {**budgets, "disk": None}):
         found.append(("--offload-dir", "DIR", "layers that fit in no memory budget are read from disk, one at a "
                                               "time (slow)"))
@@ -244,6 +268,50 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
         lines.append("no change of one flag fits; raise --max-memory (or use a machine with more memory)")
     return {"text": "\n".join(lines), "breakdown": {k: whole[k] for k in (*INFER_TERMS, "total")}, "scale": scale,
             "suggestions": [[flag, value] for flag, value, _ in found]}
+
+
+def _shrink_changes(sizes, fits, max_batch_flag: bool) -> list[tuple[str, str, str]]:
+    """(flag, value, what it costs) for the largest --max-context (and --max-batch, where the
+    command has that flag) that `fits`."""
+    found = []
+    for value in _halvings(sizes.context, 16):
+        if fits(replace(sizes, context=value)):
+            found.append(("--max-context", str(value), f"prompt + generated text limited to {value} tokens"))
+            break
+    if max_batch_flag:
+        for value in _halvings(sizes.batch, 1):
+            if fits(replace(sizes, batch=value)):
+                found.append(("--max-batch", str(value), f"{value} sequences decoded together"))
+                break
+    return found
+
+
+def _split_changes(cfg: LlamaConfig, sizes, budgets: dict, scale: float, gpus: int) -> list[tuple[str, str, str]]:
+    """(flag, value, what it costs) for the fewest GPUs under --tp or --pp whose share of the
+    model (the planner's inference memory, times `scale`) fits the smallest GPU budget."""
+    from ..infer.placement import kind
+
+    accel_budgets = [v for d, v in budgets.items() if kind(d) not in ("cpu", "disk") and v is not None]
+    if gpus <= 1 or not accel_budgets:
+        return []
+    from ..plan.hardware import local_device
+    from ..layout import Layout, Workload
+    from ..plan.memory import inference_memory
+
+    work = Workload(sizes.context, sizes.batch, {4: "fp32", 2: "bf16"}.get(sizes.dtype_bytes, "bf16"), "infer")
+    device = replace(local_device(gpus), memory_bytes=min(accel_budgets))
+    found = []
+    for n in (k for k in (2, 4, 8) if k <= gpus):
+        for flag, lay in (("--tp", Layout(tp=n)), ("--pp", Layout(pp=n))):
+            try:
+                check_split(cfg, lay.tp, lay.pp)
+            except Exception:
+                continue
+            if inference_memory(cfg, lay, work, device).total * scale <= (1 - MARGIN) * device.memory_bytes:
+                found.append((flag, str(n), f"{n} GPUs, one worker each"))
+        if found:
+            break
+    return found
 
 
 def _halvings(start: int, floor: int) -> list[int]:

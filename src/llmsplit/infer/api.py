@@ -12,7 +12,7 @@ import torch
 
 from ..config import ConfigError
 from ..io.weights import open_weights
-from .distributed import SplitRunner, check_split, split_spec
+from .distributed import SplitRunner, split_layout, split_spec
 from .engine import Engine, SamplingParams
 from .placement import MODES, Placement, Sizes, detect_budgets, place
 from .runner import PieceSpec, Runner
@@ -95,7 +95,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     # The pool holds max_batch full contexts, which is what placement budgeted for.
     num_blocks = max_batch * -(-max_context // block_size)
     if tp > 1 or pp > 1:
-        check_split(cfg, tp, pp)
+        split_layout(cfg, tp, pp)
         if max_memory or offload_dir or device_map not in (None, "auto"):
             raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
                               "--max-memory and --offload-dir")
@@ -130,15 +130,13 @@ def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
 
 
 def _split_map(cfg, tp: int, pp: int) -> dict[str, str]:
-    from .distributed import rank_device, stage_layers
+    from .distributed import rank_device, split_layout, stage_units
 
-    dmap = {}
+    layout, dmap = split_layout(cfg, tp, pp), {}
     for stage in range(pp):
         ranks = list(range(stage * tp, (stage + 1) * tp))
         where = ", ".join(f"{rank_device(r, tp * pp)} (rank {r})" for r in ranks)
-        units = ((["tok_embeddings"] if stage == 0 else []) + [f"layers.{i}" for i in stage_layers(cfg.n_layers, pp, stage)]
-                 + (["norm", "output"] if stage == pp - 1 else []))
-        dmap.update({u: where for u in units})
+        dmap.update({u: where for u in stage_units(cfg, layout, stage)})
     return dmap
 
 

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..launch import free_port
+from ..layout import Layout, Workload, check, stage_layers
 from .placement import Placement
 from .runner import PieceSpec, Runner
 
@@ -41,21 +42,19 @@ class SplitSpec:
         return self.tp * self.pp
 
 
-def check_split(cfg, tp: int, pp: int) -> None:
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tp {tp} and --pp {pp} must be at least 1")
-    if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.ffn_dim % tp:
-        raise ConfigError(f"--tp {tp} does not divide the model's {cfg.n_heads} attention heads, {cfg.n_kv_heads} "
-                          f"key/value heads and MLP width {cfg.ffn_dim}; pick a divisor of {cfg.n_kv_heads}")
-    if pp > cfg.n_layers:
-        raise ConfigError(f"--pp {pp} exceeds the model's {cfg.n_layers} layers; use at most {cfg.n_layers} stages")
+def split_layout(cfg, tp: int, pp: int) -> Layout:
+    """The layout of `--tp/--pp`, refused by the same rules training and the planner use."""
+    layout = Layout(tp=tp, pp=pp, sequence_parallel=False)
+    check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer"))
+    return layout
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
-    """Contiguous layers of a stage; the first stages take one extra when pp does not divide."""
-    base, extra = divmod(n_layers, pp)
-    start = stage * base + min(stage, extra)
-    return list(range(start, start + base + (stage < extra)))
+def stage_units(cfg, layout: Layout, stage: int) -> list[str]:
+    """The modules pipeline stage `stage` holds: its layers (the one cost-balanced split of
+    `layout.stage_layers`), the embedding on the first stage, norm and head on the last."""
+    layers = stage_layers(cfg, layout)[stage]
+    return ((["tok_embeddings"] if stage == 0 else []) + [f"layers.{i}" for i in layers]
+            + (["norm", "output"] if stage == layout.pp - 1 else []))
 
 
 def rank_device(rank: int, world: int) -> str:
@@ -95,9 +94,9 @@ def _setup(rank: int, spec: SplitSpec, procs=()):
     source = open_weights(spec.path)
     cfg = source.config
     stage, tp_rank = divmod(rank, spec.tp)
-    layers = stage_layers(cfg.n_layers, spec.pp, stage)
-    units = ((["tok_embeddings"] if stage == 0 else []) + [f"layers.{i}" for i in layers]
-             + (["norm", "output"] if stage == spec.pp - 1 else []))
+    layout = split_layout(cfg, spec.tp, spec.pp)
+    layers = stage_layers(cfg, layout)[stage]
+    units = stage_units(cfg, layout, stage)
     placement = Placement({u: device for u in units}, device, {}, {})
     runner = Runner(source, PieceSpec(placement, spec.dtype, spec.num_blocks, spec.block_size, spec.max_context,
                                       tp_rank=tp_rank, tp_size=spec.tp, tp_group=groups[stage], layers=layers))

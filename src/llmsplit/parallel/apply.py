@@ -4,38 +4,26 @@ Order (the one torchtitan uses): PP split → TP → activation checkpointing �
 FSDP/DDP. The model is built on the meta device, so no rank ever allocates the whole
 model before it is split; weights are then materialised on the device (already sharded
 under FSDP) and initialised from (seed, parameter name), which gives every layout the
-weights of a single process.
+weights of a single process. What comes back is a `ParallelModel` (parallel_model.py),
+whose methods are everything the training loop asks of the layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
-from ..config import SPLIT_BACKWARD_SCHEDULES, Config
+from ..config import Config
+from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig, Transformer
-from .data_parallel import apply_ddp, apply_fsdp, local_optimizer, zero1_optimizer
+from .data_parallel import apply_ddp, apply_fsdp, autocast_dtype, local_optimizer, zero1_optimizer
 from .memory import NvmeAdamW, apply_activation_checkpointing
 from .mesh import Mesh
-from .pipeline import PipelineParts, make_stages, share_buffers, split_model
+from .parallel_model import ParallelModel
+from .pipeline import make_stages, share_buffers, split_model
 from .tensor_parallel import apply_tp
-
-
-@dataclass
-class ParallelModel:
-    """What the trainer gets back. `model` holds this rank's parameters under the names of
-    the full model (optimizer, clipping, checkpoints use it); `module` is what a
-    non-pipelined forward calls (DDP/FSDP-wrapped); `pipeline` is set when pp > 1."""
-
-    module: nn.Module
-    model: Transformer
-    pipeline: PipelineParts | None = None
-    # Set when neither DDP nor FSDP averages the gradients (zero 0/1 with tp or pp > 1):
-    # the trainer then calls `allreduce_gradients` over this group after backward.
-    manual_grad_group: object | None = None
 
 
 def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
@@ -63,16 +51,20 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
     model.init_weights(cfg.train.seed, buffer_device=device)
     if parts is not None:
         share_buffers(parts)
-    if par.zero >= 2:
-        return ParallelModel(module=model, model=model, pipeline=parts)
-    if parts is not None or par.tp > 1:
+    module, manual_grad_group = model, None
+    if par.zero < 2 and (parts is not None or par.tp > 1):
         # DDP can wrap neither a pipeline stage (many micro-batch backwards per step
         # through one module) nor DTensor parameters; gradients are averaged after the
         # backward instead, in one flat all-reduce.
-        group = mesh.group("dp") if mesh.size("dp") > 1 else None
-        return ParallelModel(module=model, model=model, pipeline=parts, manual_grad_group=group)
-    # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
-    return ParallelModel(module=apply_ddp(model, mesh, device), model=model)
+        manual_grad_group = mesh.group("dp") if mesh.size("dp") > 1 else None
+    elif par.zero < 2:
+        # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
+        module = apply_ddp(model, mesh, device)
+    precision = cfg.train.precision
+    return ParallelModel(module=module, model=model, mesh=mesh, device=device, pipeline=parts,
+                         pp_schedule=par.pp_schedule, manual_grad_group=manual_grad_group,
+                         amp_dtype=autocast_dtype(par.zero, precision), sharded_loss=par.tp > 1,
+                         scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None)
 
 
 def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:

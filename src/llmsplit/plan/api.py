@@ -3,26 +3,23 @@ training config (for the trainer's self-check), and a runnable config for a layo
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import Config, ConfigError, load_config, model_config, to_toml, validate
+from ..config import (Config, ConfigError, layout_of, load_config, model_config, record_model_sizes, to_toml,
+                      workload_of)
+from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
 from .hardware import Device, get_device
-from .layout import Layout, Workload, check_layout, parse_layout, PRECISIONS
-from .search import evaluate, search
-
-# Hugging Face config.json keys of the Llama family → our sizes.
-_HF_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-            "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size", "intermediate_size": "ffn_dim",
-            "max_position_embeddings": "max_seq_len", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
-            "tie_word_embeddings": "tie_embeddings"}
+from ..layout import PRECISIONS, Layout, Workload, check, parse_layout, stage_layers
+from .search import accepts, evaluate, search
 
 
 def resolve_model(model, tokenizer_vocab: int | None = None) -> tuple[LlamaConfig, str, Config | None]:
-    """A preset name, a Hugging Face folder, a training config file, or a LlamaConfig."""
+    """A preset name, a Hugging Face folder, a training config file, or a LlamaConfig. A
+    Hugging Face folder (or a config's model.hf) is read by the parser that training and
+    inference use, so all three accept and refuse the same config.json."""
     if isinstance(model, LlamaConfig):
         return model, "custom", None
     text = str(model)
@@ -31,17 +28,20 @@ def resolve_model(model, tokenizer_vocab: int | None = None) -> tuple[LlamaConfi
     path = Path(text)
     if path.suffix == ".toml":
         cfg = load_config(path)  # a missing or unparsable file is a ConfigError
+        if cfg.model.hf:  # as `llmsplit train` does: the sizes are the folder's
+            record_model_sizes(cfg, _hf_folder_config(cfg.model.hf))
         return model_config(cfg, tokenizer_vocab), str(path), cfg
-    if path.is_dir() and (path / "config.json").is_file():
-        try:
-            raw = json.loads((path / "config.json").read_text())
-            sizes = {ours: raw[hf] for hf, ours in _HF_KEYS.items() if hf in raw}
-            sizes["qkv_bias"] = bool(raw.get("attention_bias", raw.get("model_type") == "qwen2"))
-            return LlamaConfig(**sizes), str(path), None
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"--model {text!r}: config.json is not a Llama-family config ({e})") from None
+    if is_hf_folder(path):
+        return _hf_folder_config(path), str(path), None
     raise ConfigError(f"--model {text!r} is not a known preset, a Hugging Face folder or a .toml config; "
                       f"presets: {', '.join(PRESETS)}")
+
+
+def _hf_folder_config(folder) -> LlamaConfig:
+    try:
+        return read_hf_config(folder)[0]
+    except UnsupportedHFConfig as e:
+        raise ConfigError(str(e)) from None
 
 
 def plan_report(model, gpus: int, gpu: str = "H100-80GB", nodes: int | None = None, seq_len: int | None = None,
@@ -64,8 +64,7 @@ def plan_report(model, gpus: int, gpu: str = "H100-80GB", nodes: int | None = No
     device = replace(device, gpus_per_node=per_node) if device.kind != "cpu" else device
     work = _workload(cfg_model, source, gpus, device, seq_len, global_batch, mode, precision)
     fixed = _fixed_layout(layout, gpus)
-    runnable = (lambda lay: _runnable(source, name, cfg_model, lay, work, gpus)) if mode == "train" else None
-    result = search(cfg_model, work, gpus, device, fixed, runnable)
+    result = search(cfg_model, work, gpus, device, fixed)
     cands = result["candidates"]
     shown = cands[:top]
     return {
@@ -76,9 +75,18 @@ def plan_report(model, gpus: int, gpu: str = "H100-80GB", nodes: int | None = No
                      "precision": work.precision},
         "considered": len(cands), "fitting": sum(c.fits for c in cands),
         "advice": result["advice"],
-        "layouts": [c.to_dict() for c in shown],
-        "best_runnable": result["runnable"][0].to_dict() if result["runnable"] else None,
+        "layouts": [_entry(cfg_model, c) for c in shown],
+        "best_runnable": _entry(cfg_model, result["runnable"][0]) if result["runnable"] else None,
     }
+
+
+def _entry(cfg: LlamaConfig, cand) -> dict:
+    """A candidate as JSON; with pp > 1 also the layers of each pipeline stage, the split that
+    training and inference run (`layout.stage_layers`), so anyone can compare them."""
+    entry = cand.to_dict()
+    if cand.layout.pp > 1:
+        entry["stage_layers"] = stage_layers(cfg, cand.layout)
+    return entry
 
 
 def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device, seq_len, global_batch, mode,
@@ -139,19 +147,9 @@ def layout_config(source: Config | None, name: str, model: LlamaConfig, layout: 
     return cfg
 
 
-def _runnable(source, name, model, layout: Layout, work: Workload, world: int) -> bool:
-    """Does this version of `llmsplit train` accept the layout (its own validate())?"""
-    cfg = layout_config(source, name, model, layout, work)
-    try:
-        validate(cfg, world, model_config(cfg))
-    except ConfigError:
-        return False
-    return True
-
-
 def runnable(cfg: Config, model_cfg: LlamaConfig, layout: Layout, world: int) -> bool:
     """Does `llmsplit train` accept this training config with `layout` instead of its own?"""
-    return _runnable(cfg, "custom", model_cfg, layout, workload_of_config(cfg), world)
+    return accepts(model_cfg, layout, workload_of(cfg), world)
 
 
 def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.toml", **kwargs) -> tuple[Path, dict]:
@@ -174,30 +172,13 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
 
 # ---------------------------------------------------------------- the trainer's self-check
 
-def layout_of_config(cfg: Config, world_size: int) -> Layout:
-    """The layout a training config runs (sequence parallel left to its default when the
-    config has the default, so that changing tp keeps the default)."""
-    par, mem = cfg.parallel, cfg.memory
-    dp = par.dp if par.dp > 0 else world_size // (par.tp * par.pp)
-    sp = None if par.sequence_parallel in (None, par.tp > 1) else par.sequence_parallel
-    return Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp,
-                  sequence_parallel=sp, pp=par.pp, pp_schedule=par.pp_schedule,
-                  pp_virtual_stages=par.pp_virtual_stages, pp_microbatches=par.pp_microbatches,
-                  micro_batch=cfg.train.micro_batch, activation_checkpoint=mem.activation_checkpoint,
-                  offload=mem.offload)
-
-
-def workload_of_config(cfg: Config) -> Workload:
-    return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision)
-
-
 def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, gpu: str | Device = "cpu",
                        workers_per_node: int | None = None) -> dict:
     """The plan's prediction for one resolved training config: memory per device term by
     term (the fullest pipeline stage), step time, tokens/s and MFU. For `llmsplit train`
     to record next to what it measured."""
-    layout, work = layout_of_config(cfg, world_size), workload_of_config(cfg)
-    check_layout(model_cfg, layout, work, world_size)
+    layout, work = layout_of(cfg, world_size), workload_of(cfg)
+    check(model_cfg, layout, work, world_size)
     device = get_device(gpu, workers_per_node=workers_per_node or world_size)
     cand = evaluate(model_cfg, layout, work, device)
     mem_bd = cand.memory
@@ -215,9 +196,8 @@ def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: De
     and that layout's plan entry."""
     if cfg.memory.limit_bytes is not None:
         device = replace(device, memory_bytes=min(device.memory_bytes, cfg.memory.limit_bytes))
-    work = workload_of_config(cfg)
-    result = search(model_cfg, work, world_size, device,
-                    runnable=lambda lay: _runnable(cfg, "custom", model_cfg, lay, work, world_size))
+    work = workload_of(cfg)
+    result = search(model_cfg, work, world_size, device)
     if not result["runnable"]:
         raise ConfigError(f"--auto: no layout that llmsplit train runs fits {world_size} × {device.name}; "
                           f"{result['advice'] or 'see llmsplit plan for the reasons'}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..layout import idle_per_compute
 from ..models.llama import LlamaConfig
 from .hardware import Device
-from .layout import Layout, Workload, microbatches, rank_layers
+from ..layout import Layout, Workload, microbatches, rank_layer_counts
 from .memory import FP32, compute_pattern, layer_activation_bytes, layer_params, stage_params
 
 # Collectives reach about this fraction of link bandwidth (NCCL bus bandwidth vs wire speed).
@@ -66,22 +67,13 @@ def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Devi
     matmul_s = hardware_flops / (peak * device.matmul_efficiency)
     # Elementwise work (norms, rope, SiLU, casts, their backward) streams the saved
     # activations about three times: written in forward, read and written in backward.
-    layers = max(rank_layers(cfg, layout))  # the fullest stage sets the pace
+    layers = max(rank_layer_counts(cfg, layout))  # the fullest stage sets the pace
     per_layer = layer_activation_bytes(cfg, layout.micro_batch, s, layout, compute_pattern(layout, work))
     elementwise_s = 3 * per_layer * layers * m / (device.mem_bw / (device.gpus_per_node if device.kind == "cpu" else 1))
     compute_s = matmul_s + elementwise_s
     mb_s = compute_s / m
 
-    # Pipeline bubble.
-    bubble_s = 0.0
-    if p > 1:
-        v = layout.chunks
-        if layout.pp_schedule in ("gpipe", "1f1b"):
-            bubble_s = (p - 1) * mb_s
-        elif layout.pp_schedule == "interleaved_1f1b":
-            bubble_s = (p - 1) * mb_s / v
-        else:  # zero-bubble V schedules: a third of 1F1B's, gone once m >= 2p
-            bubble_s = (p - 1) * mb_s / 3 * max(0.0, 1 - (m - p) / p) if m < 2 * p else 0.0
+    bubble_s = compute_s * idle_per_compute(layout.pp_schedule, p, m, layout.pp_virtual_stages)
 
     # Data-parallel communication (fp32 gradients: the parameters are fp32).
     stage = stage_params(cfg, layout, 0)
@@ -149,7 +141,7 @@ def inference_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
     t, p = layout.tp, layout.pp
     stage = stage_params(cfg, layout, 0)
     weights = c * (stage["layers"] + stage["head"] + stage["final_norm"])  # the embedding is a lookup
-    layers = max(rank_layers(cfg, layout))
+    layers = max(rank_layer_counts(cfg, layout))
     kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * work.global_batch * work.seq_len
     read_s = (weights + kv) / device.mem_bw
     flops = 2 * cfg.num_params() * work.global_batch / layout.world

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import SPLIT_BACKWARD_SCHEDULES
+from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig
 from .hardware import Device
-from .layout import Layout, Workload, microbatches, rank_layers
+from ..layout import Layout, Workload, microbatches, rank_layer_counts
 
 FP32 = 4
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
@@ -73,7 +73,7 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
     table = cfg.vocab_size * cfg.dim // t
     # A tied head shares the embedding's tensor only when both live on the same rank.
     head = table if last and (not cfg.tie_embeddings or not first) else 0
-    n_layers = rank_layers(cfg, layout)[stage]
+    n_layers = rank_layer_counts(cfg, layout)[stage]
     return {"n_layers": n_layers, "layers": n_layers * layer_params(cfg, t), "embedding": table if first else 0,
             "head": head, "final_norm": cfg.dim if last else 0, "has_head": last}
 

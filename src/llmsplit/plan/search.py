@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import ConfigError, divisors
+from ..errors import ConfigError
+from ..layout import Layout, Workload, check
+from ..layout.rules import divisors
 from ..models.llama import LlamaConfig
 from .cost import StepCost, step_cost
 from .hardware import Device
-from .layout import Layout, Workload, check_layout
 from .memory import Breakdown, memory_per_device
 
 GiB = 1024 ** 3
@@ -62,24 +63,30 @@ def _powers_of_two_dividing(n: int) -> list[int]:
 
 
 def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Device, minimal: bool = False):
-    """Every layout `llmsplit train` would accept on `world` devices. `minimal` keeps only
-    the options that use the least memory (for "how many devices would it take")."""
-    per_node = device.gpus_per_node
-    for tp in divisors(min(world, per_node)):
-        # Training replicates kv heads when tp is a multiple of them; inference does not.
-        kv_fits = cfg.n_kv_heads % tp == 0 or (work.mode == "train" and tp % cfg.n_kv_heads == 0)
-        if world % tp or cfg.n_heads % tp or not kv_fits or cfg.vocab_size % tp:
+    """Every layout that `layout.check` accepts (so `llmsplit train` or inference runs it) on
+    `world` devices. `minimal` keeps only the options that use the least memory (for "how
+    many devices would it take")."""
+    for tp in divisors(min(world, device.gpus_per_node)):
+        if world % tp:
             continue
         for pp in divisors(world // tp):
-            if cfg.n_layers < pp:  # uneven splits are fine: stages are balanced by cost
-                continue
             dp = world // (tp * pp)
             if work.mode == "infer":
-                yield Layout(dp=dp, tp=tp, pp=pp)
-                continue
-            if work.global_batch % dp:
-                continue
-            yield from _training_variants(cfg, work, device, tp, pp, dp, minimal)
+                variants = [Layout(dp=dp, tp=tp, pp=pp)]
+            elif work.global_batch % dp:
+                continue  # no micro-batch size makes this dp divide the batch
+            else:
+                variants = _training_variants(cfg, work, device, tp, pp, dp, minimal)
+            yield from (lay for lay in variants if accepts(cfg, lay, work, world))
+
+
+def accepts(cfg: LlamaConfig, layout: Layout, work: Workload, world: int) -> bool:
+    """Does `layout.check` (the rules training and inference enforce) accept the layout?"""
+    try:
+        check(cfg, layout, work, world)
+    except ConfigError:
+        return False
+    return True
 
 
 def _training_variants(cfg, work, device, tp, pp, dp, minimal):
@@ -98,11 +105,7 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
         for r in replicas:
             for sched in schedules:
                 v = 2 if sched in ("interleaved_1f1b", "zbv") else 1
-                if cfg.n_layers < pp * v:
-                    continue
                 for mb in micro:
-                    if pp > 1 and per_rank // mb < pp:
-                        continue  # fewer micro-batches than stages leaves stages idle
                     for ac in checkpoints:
                         yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
                                      pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
@@ -119,14 +122,10 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
 
 # ---------------------------------------------------------------- search
 
-def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout: Layout | None = None,
-           runnable=None) -> dict:
-    """All layouts (or just `layout`), fitting ones first, fastest first.
-
-    `runnable(layout) -> bool` marks layouts that this version of `llmsplit train` accepts.
-    """
+def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout: Layout | None = None) -> dict:
+    """All layouts that run (or just `layout`), fitting ones first, fastest first."""
     if layout is not None:
-        check_layout(cfg, layout, work, world)
+        check(cfg, layout, work, world)
         layouts = [layout]
     else:
         layouts = list(enumerate_layouts(cfg, work, world, device))
@@ -149,7 +148,7 @@ def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout:
     if layout is not None and advice and candidates[0].why_not and "use " in candidates[0].why_not:
         advice = None  # the layout's own explanation already names the fix
     return {"candidates": candidates, "advice": advice,
-            "runnable": [c for c in candidates if c.fits and (runnable is None or runnable(c.layout))]}
+            "runnable": [c for c in candidates if c.fits]}
 
 
 def explain(cfg: LlamaConfig, cand: Candidate, work: Workload, device: Device, advice: str | None) -> str:
@@ -188,16 +187,8 @@ def single_changes(layout: Layout, cfg: LlamaConfig, work: Workload, device: Dev
             out.append((f"{key}={getattr(bigger, key)}", bigger))
     if layout.offload == "none" and device.kind != "cpu":
         out.append(("zero=3 with offload=cpu", replace(layout, zero=3, dp_replicate=1, offload="cpu")))
-    valid = []
-    for text, lay in out:
-        try:
-            check_layout(cfg, lay, work, layout.world)
-        except ConfigError:
-            continue
-        if lay.tp > device.gpus_per_node:
-            continue
-        valid.append((text, lay))
-    return valid
+    return [(text, lay) for text, lay in out
+            if lay.tp <= device.gpus_per_node and accepts(cfg, lay, work, layout.world)]
 
 
 def smallest_fit(cfg: LlamaConfig, work: Workload, world: int, device: Device, offload: bool,

@@ -33,7 +33,8 @@ from ..io.hf import HFWeights
 from ..io.tokenizer import load_tokenizer
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.data_parallel import allreduce_gradients, autocast_dtype, no_grad_sync
-from ..parallel.pipeline import ACTION_COSTS, bubble_fraction, build_schedule, schedule_bubble, schedule_order
+from ..layout import ACTION_COSTS, bubble_fraction, schedule_bubble
+from ..parallel.pipeline import build_schedule, schedule_order
 from ..parallel.mesh import Mesh, ParallelDims
 from .entry import default_run_dir
 from .checkpoint import load_checkpoint, save_checkpoint

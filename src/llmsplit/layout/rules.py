@@ -1,0 +1,205 @@
+"""Every rule about splitting a model, checked in one place.
+
+`check(model, layout, work)` is called by `config.validate` before training starts, by
+inference `--tp/--pp` before any worker starts, and by the planner for every candidate, so
+a layout the planner ranks is one the trainer runs, and one that would fail inside a
+collective is refused here in one sentence. Messages name the key the user set: config
+keys (`parallel.tp=3`) for training and the planner, flags (`--tp 3`) for inference.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from ..models.llama import LlamaConfig
+from .spec import CHECKPOINTING, MODES, OFFLOADS, SCHEDULES, V_SCHEDULES, Layout, Workload, stages_per_rank
+
+_TRAIN_NAMES = {"dp": "parallel.dp", "dp_replicate": "parallel.dp_replicate", "zero": "parallel.zero",
+                "tp": "parallel.tp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
+                "pp_virtual_stages": "parallel.pp_virtual_stages", "pp_microbatches": "parallel.pp_microbatches",
+                "micro_batch": "train.micro_batch", "activation_checkpoint": "memory.activation_checkpoint",
+                "offload": "memory.offload", "sequence_parallel": "parallel.sequence_parallel"}
+
+
+def _say(key: str, value, work: Workload | None) -> str:
+    """`parallel.tp=3` for training, `--tp 3` for inference (the flag the user typed)."""
+    if work is not None and work.mode == "infer" and key in ("tp", "pp"):
+        return f"--{key} {value}"
+    return f"{_TRAIN_NAMES.get(key, key)}={value!r}" if isinstance(value, str) else f"{_TRAIN_NAMES.get(key, key)}={value}"
+
+
+def _name(key: str, work: Workload | None) -> str:
+    return f"--{key}" if work is not None and work.mode == "infer" and key in ("tp", "pp") else _TRAIN_NAMES[key]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_dp(dp: int, tp: int, pp: int, world: int) -> int:
+    """The data-parallel degree on `world` ranks: `dp` itself, or what is left when it is -1."""
+    for key, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ConfigError(f"parallel.{key}={value} must be at least 1")
+    if dp == -1:
+        if world % (tp * pp):
+            raise ConfigError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}; "
+                              f"change --nproc (or --gpus) or the tp/pp degrees")
+        return world // (tp * pp)
+    if dp < 1:
+        raise ConfigError(f"parallel.dp={dp} must be -1 (what is left) or at least 1")
+    if dp * tp * pp != world:
+        raise ConfigError(f"parallel.dp × tp × pp = {dp}×{tp}×{pp} = {dp * tp * pp} but the world size is {world}; "
+                          f"set parallel.dp=-1 or --nproc {dp * tp * pp}")
+    return dp
+
+
+def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = None, world: int | None = None) -> None:
+    """Refuse, with one sentence naming the key and the fix, a layout that cannot run `work`
+    for `model` on `world` ranks. `model`/`work`/`world` may be None when not yet known
+    (then only the rules that need them are skipped)."""
+    if work is not None and work.mode not in MODES:
+        raise ConfigError(f"mode {work.mode!r} is not one of: {', '.join(MODES)}")
+    _check_degrees(layout, work)
+    if world is not None and layout.world != world:
+        raise ConfigError(f"parallel.dp × tp × pp = {layout.dp}×{layout.tp}×{layout.pp} = {layout.world} but the "
+                          f"world size is {world}; change parallel.dp (or leave it at -1)")
+    _check_data_parallel(layout)
+    if layout.pp > 1:
+        _check_schedule(layout)
+    training = work is None or work.mode == "train"
+    if work is not None and training:
+        _check_batches(layout, work)
+    if model is not None:
+        check_model(model)
+        _check_tensor_parallel(model, layout, work)
+        _check_pipeline_model(model, layout, work)
+        if work is not None:
+            _check_sequence(model, layout, work)
+
+
+def check_model(model: LlamaConfig) -> None:
+    """The shape rules of the decoder itself, whatever the layout."""
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+        if getattr(model, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be at least 1")
+    if model.dim % model.n_heads:
+        raise ConfigError(f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
+    if model.n_heads % model.n_kv_heads:
+        raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.n_kv_heads}")
+    if model.head_dim % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {model.head_dim} must be even for rotary embeddings")
+
+
+def _check_degrees(layout: Layout, work: Workload | None) -> None:
+    for key in ("dp", "dp_replicate", "tp", "pp", "pp_virtual_stages", "micro_batch"):
+        if getattr(layout, key) < 1:
+            raise ConfigError(f"{_say(key, getattr(layout, key), work)} must be at least 1")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={layout.zero} is not one of: 0, 1, 2, 3")
+    for key, allowed in (("pp_schedule", SCHEDULES), ("activation_checkpoint", CHECKPOINTING), ("offload", OFFLOADS)):
+        if getattr(layout, key) not in allowed:
+            raise ConfigError(f"{_say(key, getattr(layout, key), work)} is not one of: {', '.join(map(repr, allowed))}")
+
+
+def _check_data_parallel(layout: Layout) -> None:
+    if layout.dp % layout.dp_replicate:
+        raise ConfigError(f"parallel.dp={layout.dp} is not divisible by parallel.dp_replicate={layout.dp_replicate}")
+    if layout.dp_replicate > 1 and layout.zero < 2:
+        raise ConfigError(f"parallel.dp_replicate={layout.dp_replicate} (hybrid sharding) needs parallel.zero=2 or 3")
+    if layout.offload == "cpu" and layout.zero < 2:
+        raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
+                          f"not {layout.zero}")
+
+
+def _check_schedule(layout: Layout) -> None:
+    if layout.pp_virtual_stages > 1 and layout.pp_schedule not in ("interleaved_1f1b", *V_SCHEDULES):
+        raise ConfigError(f"parallel.pp_virtual_stages={layout.pp_virtual_stages} needs "
+                          f"parallel.pp_schedule=\"interleaved_1f1b\" (or 1)")
+    if layout.pp_schedule in V_SCHEDULES and layout.pp_virtual_stages not in (1, 2):
+        raise ConfigError(f"parallel.pp_schedule={layout.pp_schedule!r} always puts 2 stages on each rank; "
+                          f"set parallel.pp_virtual_stages=2 (or leave it at 1)")
+
+
+def _check_batches(layout: Layout, work: Workload) -> None:
+    if work.global_batch < 1:
+        raise ConfigError(f"train.global_batch={work.global_batch} must be at least 1")
+    if work.global_batch % (layout.dp * layout.micro_batch):
+        raise ConfigError(f"train.global_batch={work.global_batch} is not divisible by parallel.dp × "
+                          f"train.micro_batch = {layout.dp}×{layout.micro_batch} = {layout.dp * layout.micro_batch}; "
+                          f"change one of them")
+    if layout.pp == 1:
+        return
+    per_rank = work.global_batch // layout.dp
+    if layout.pp_microbatches is not None:
+        if layout.pp_microbatches < 1 or per_rank % layout.pp_microbatches:
+            raise ConfigError(f"parallel.pp_microbatches={layout.pp_microbatches} must divide the {per_rank} "
+                              f"sequences of each data-parallel rank (train.global_batch / parallel.dp)")
+        n_micro, source = layout.pp_microbatches, f"parallel.pp_microbatches={layout.pp_microbatches}"
+    else:
+        n_micro = per_rank // layout.micro_batch
+        source = f"train.global_batch / (parallel.dp × train.micro_batch) = {n_micro} micro-batches"
+    if n_micro < layout.pp:
+        raise ConfigError(f"{source} is fewer than parallel.pp={layout.pp}: the schedule needs at least one "
+                          f"micro-batch per stage; raise train.global_batch or lower train.micro_batch")
+    if layout.pp_schedule == "dualpipev" and n_micro < 2 * layout.pp:
+        # torch's DualPipeV refuses, at the first step, fewer micro-batches than its 2·pp stages.
+        raise ConfigError(f"{source} is fewer than the {2 * layout.pp} stages of parallel.pp_schedule=\"dualpipev\" "
+                          f"(2 per rank); raise train.global_batch or lower train.micro_batch")
+
+
+def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | None) -> None:
+    tp, kv, training = layout.tp, model.n_kv_heads, work is None or work.mode == "train"
+    flag = _name("tp", work)
+    if model.n_heads % tp:
+        raise ConfigError(f"{_say('tp', tp, work)} does not divide model.n_heads={model.n_heads}; use {flag} in "
+                          f"{', '.join(map(str, divisors(model.n_heads)))}")
+    if training and kv % tp and tp % kv:
+        # Each rank needs whole kv heads: a share of them, or one replicated (tp a multiple).
+        fits = [t for t in divisors(model.n_heads) if kv % t == 0 or t % kv == 0]
+        raise ConfigError(f"model.n_kv_heads={kv} is neither divisible by nor a divisor of {_say('tp', tp, work)}; "
+                          f"use {flag} in {', '.join(map(str, fits))}")
+    if not training and kv % tp:
+        # Inference shards the KV cache by kv head and does not replicate them (yet).
+        raise ConfigError(f"{_say('tp', tp, work)} does not divide model.n_kv_heads={kv} (inference shards the "
+                          f"key/value heads); use {flag} in {', '.join(map(str, divisors(kv)))}")
+    if model.ffn_dim % tp:
+        raise ConfigError(f"{_say('tp', tp, work)} does not divide model.ffn_dim={model.ffn_dim}; use {flag} in "
+                          f"{', '.join(map(str, divisors(math.gcd(model.ffn_dim, model.n_heads))))}")
+    if training and model.vocab_size % tp:
+        # Training's vocabulary-parallel loss needs equal shards; inference pads the last one.
+        padded = -(-model.vocab_size // tp) * tp
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is not divisible by {_say('tp', tp, work)}; "
+                          f"set model.vocab_size={padded} (the extra rows are never used)")
+
+
+def _check_pipeline_model(model: LlamaConfig, layout: Layout, work: Workload | None) -> None:
+    if layout.pp == 1:
+        return
+    chunks = stages_per_rank(layout.pp_schedule, layout.pp_virtual_stages)
+    if work is not None and work.mode == "infer":
+        chunks = 1  # inference runs one stage per rank, whatever the training schedule
+    stages = layout.pp * chunks
+    if model.n_layers < stages:
+        per = f" ({chunks} per rank with parallel.pp_schedule={layout.pp_schedule!r})" if chunks > 1 else ""
+        raise ConfigError(f"model.n_layers={model.n_layers} is fewer than the {stages} pipeline stages of "
+                          f"{_say('pp', layout.pp, work)}{per}: the layout needs at least {stages} layers; lower "
+                          f"{_name('pp', work)}" + (" or parallel.pp_virtual_stages" if chunks > 1 else ""))
+    if (work is None or work.mode == "train") and model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true shares the embedding with the output head, which pipeline "
+                          "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
+
+
+def _check_sequence(model: LlamaConfig, layout: Layout, work: Workload) -> None:
+    if work.mode != "train":
+        return
+    if work.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len={work.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
+                          f"lower data.seq_len or raise model.max_seq_len")
+    if layout.sp and work.seq_len % layout.tp:
+        # Sequence parallel cuts every sequence into tp equal pieces; uneven pieces make the
+        # collectives of the ranks disagree on sizes (gloo aborts the workers).
+        raise ConfigError(f"data.seq_len={work.seq_len} is not divisible by parallel.tp={layout.tp}, and sequence "
+                          f"parallel splits each sequence over the tp ranks; use a data.seq_len that is a multiple "
+                          f"of {layout.tp} or set parallel.sequence_parallel=false")

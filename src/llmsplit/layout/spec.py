@@ -1,0 +1,85 @@
+"""What a layout is: the `[parallel]` and `[memory]` keys (plus the micro-batch) as one
+frozen value, and the workload it runs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev")
+CHECKPOINTING = ("none", "selective", "full")
+OFFLOADS = ("none", "cpu", "nvme")
+PRECISIONS = ("fp32", "bf16", "fp16")
+MODES = ("train", "infer")
+
+V_SCHEDULES = ("zbv", "dualpipev")
+# Schedules that split a backward into an input-gradient and a later weight-gradient pass
+# (both V schedules in torch 2.13).
+SPLIT_BACKWARD_SCHEDULES = V_SCHEDULES
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each pipeline rank holds: two in a V for zbv/dualpipev, pp_virtual_stages
+    for interleaved_1f1b, one otherwise."""
+    if schedule in V_SCHEDULES:
+        return 2
+    return virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    dp_replicate: int = 1
+    zero: int = 0
+    tp: int = 1
+    sequence_parallel: bool | None = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_microbatches: int | None = None
+    micro_batch: int = 1
+    activation_checkpoint: str = "none"
+    offload: str = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel and self.tp > 1)
+
+    @property
+    def shard(self) -> int:
+        """Ranks that share one copy of the sharded state (ZeRO's N)."""
+        return self.dp // self.dp_replicate if self.zero >= 2 else self.dp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks (pipeline stages) per pipeline rank."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sequence_parallel"] = self.sp
+        return d
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int          # train: sequences per optimizer step; infer: concurrent sequences
+    precision: str = "bf16"
+    mode: str = "train"
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+def microbatches(layout: Layout, work: Workload) -> int:
+    """Micro-batches each data-parallel rank runs per step (pipeline micro-batches when pp > 1)."""
+    return layout.pp_microbatches or work.global_batch // (layout.dp * layout.micro_batch)
