@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family folders in: `config.json` → `LlamaConfig`, `*.safetensors`
+"""Hugging Face Llama-family folders in: `config.json` → `LlamaConfig` (through
+`models/hf_config.py`, the parser every entry point shares), `*.safetensors`
 (one file or sharded with an index) → our parameter names, `tokenizer.json` → tokenizer.
 
 Training and inference share this one reader. `read(name, shard=...)` returns only the
@@ -16,9 +17,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..models.hf_config import UnsupportedHFConfig, eos_ids_from_hf, read_hf_config
 from ..models.llama import LlamaConfig
-
-SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # (our pattern, Hugging Face pattern); {i} is a layer index.
 _NAMES = [
@@ -65,77 +65,6 @@ def from_hf_name(name: str) -> str | None:
     return _translate(name, _TO_OURS)
 
 
-def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
-    """Our model config from a parsed Hugging Face `config.json`; unsupported variants are
-    refused by name rather than loaded with silently different maths."""
-    model_type = raw.get("model_type")
-    archs = raw.get("architectures") or [SUPPORTED.get(model_type, model_type)]
-    if model_type not in SUPPORTED or archs[0] not in SUPPORTED.values():
-        raise ConfigError(f"{where}: architecture {archs[0]!r} (model_type {model_type!r}) is not supported; "
-                          f"llmsplit loads {', '.join(sorted(SUPPORTED.values()))}")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    scaling = _rope_scaling(rope, raw, where)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; the Llama family uses silu")
-    if raw.get("mlp_bias") or (model_type != "qwen2" and raw.get("attention_bias")):
-        raise ConfigError(f"{where}: biases on the MLP or attention output are not supported")
-    try:
-        n_heads = raw["num_attention_heads"]
-        cfg = LlamaConfig(
-            dim=raw["hidden_size"], n_layers=raw["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=raw.get("num_key_value_heads") or n_heads, vocab_size=raw["vocab_size"],
-            ffn_dim=raw["intermediate_size"], max_seq_len=raw.get("max_position_embeddings", 2048),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2", rope_scaling=scaling)
-    except KeyError as e:
-        raise ConfigError(f"{where} lacks the key {e.args[0]!r} that a Llama-family config has") from None
-    if raw.get("head_dim") not in (None, cfg.head_dim):
-        raise ConfigError(f"{where}: head_dim {raw['head_dim']} differs from hidden_size / num_attention_heads "
-                          f"= {cfg.head_dim}, which llmsplit's model assumes")
-    return cfg
-
-
-# Rotary scaling types transformers' Llama computes, and the keys each one reads.
-_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
-
-def _rope_scaling(rope: dict, raw: dict, where: str) -> str | None:
-    """`LlamaConfig.rope_scaling` (JSON text) from config.json's rope_scaling / rope_parameters."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type not in _ROPE_KEYS:
-        raise ConfigError(f"{where}: rope scaling {rope_type!r} is not supported; llmsplit computes "
-                          f"{', '.join(_ROPE_KEYS)} and plain rotary embeddings")
-    if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{where}: partial_rotary_factor is not supported; the Llama family rotates whole heads")
-    params = dict(rope)
-    # As transformers does: the pretraining length defaults to max_position_embeddings, which is
-    # also what "dynamic" scales from (kept here because inference resizes max_seq_len).
-    params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
-    missing = [k for k in _ROPE_KEYS[rope_type] if k not in params]
-    if missing:
-        raise ConfigError(f"{where}: {rope_type} rope scaling lacks {', '.join(missing)}")
-    if rope_type == "dynamic":
-        params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
-    keep = {k: float(params[k]) for k in _ROPE_KEYS[rope_type]}
-    keep["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
-    if rope_type == "linear":
-        del keep["original_max_position_embeddings"]
-    return json.dumps({"rope_type": rope_type, **keep}, sort_keys=True)
-
-
-def eos_ids_from_hf(raw: dict) -> set[int]:
-    eos = raw.get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-
-
-def is_hf_folder(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file()
-
-
 class HFWeights:
     """A Hugging Face folder read tensor by tensor (or slice by slice) under our names."""
 
@@ -143,12 +72,10 @@ class HFWeights:
         from safetensors import safe_open
 
         self.path = Path(folder)
-        cfg_file = self.path / "config.json"
         try:
-            raw = json.loads(cfg_file.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{str(cfg_file)!r} is not a readable JSON config ({e})") from None
-        self.config = config_from_hf(raw, str(cfg_file))
+            self.config, raw = read_hf_config(self.path)
+        except UnsupportedHFConfig as e:
+            raise ConfigError(str(e)) from None
         self.eos_ids = eos_ids_from_hf(raw)
         self.dtype = _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
         self._files = {}  # file name -> open safe_open handle (memory-mapped, opened once)

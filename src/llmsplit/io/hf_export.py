@@ -1,7 +1,8 @@
 """Hugging Face folders out: a training checkpoint becomes a folder that
 `transformers.AutoModelForCausalLM.from_pretrained` loads with the same logits.
 
-Names go through the same table as the reader (`hf.to_hf_name`). The built-in byte
+Names go through the same table as the reader (`hf.to_hf_name`), config.json keys through
+the same table as the parser (`models.hf_config.config_to_hf`). The built-in byte
 tokenizer is written as an equivalent `tokenizer.json` (a byte-level BPE with no merges
 whose ids are the byte values), so the exported folder is complete either way.
 """
@@ -15,43 +16,11 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from ..models.llama import LlamaConfig
+from ..models.hf_config import UnsupportedHFConfig, config_to_hf
 from .hf import to_hf_name
 from .tokenizer import ByteTokenizer
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
-
-
-def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if cfg.qkv_bias else "llama",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        **({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {}),
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
-        "mlp_bias": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def _rope_scaling_to_hf(cfg: LlamaConfig) -> dict:
-    params = json.loads(cfg.rope_scaling)
-    if params["rope_type"] == "dynamic":
-        params.pop("original_max_position_embeddings")  # transformers scales from max_position_embeddings
-    return params
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -99,6 +68,11 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
         if cfg.tie_embeddings and name == "output.weight":
             continue  # transformers re-ties lm_head to the embedding
         tensors[to_hf_name(name)] = weights.read(name).contiguous()
+    tok = weights.tokenizer
+    try:  # before anything is written: a config transformers cannot build leaves no half folder
+        hf_config = config_to_hf(cfg, tok.bos_id, tok.eos_id, next(iter(tensors.values())).dtype)
+    except UnsupportedHFConfig as e:
+        raise ConfigError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
@@ -112,9 +86,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    tok = weights.tokenizer
-    dtype = next(iter(tensors.values())).dtype
-    (out / "config.json").write_text(json.dumps(config_to_hf(cfg, tok.bos_id, tok.eos_id, dtype), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}, indent=1))
     _write_tokenizer(tok, out)

@@ -1,0 +1,180 @@
+"""Hugging Face `config.json` ↔ `LlamaConfig`: the one key table, read by every entry point
+(`llmsplit plan --model FOLDER`, `train --set model.hf=FOLDER`, `generate --model FOLDER`)
+and written by export.
+
+What llmsplit's decoder cannot compute (another architecture, a rope scaling kind it does
+not implement, a head_dim that is not hidden_size / num_attention_heads, biases where it has
+none) is refused by name rather than loaded with silently different maths. This module
+imports nothing else of llmsplit, so it raises `UnsupportedHFConfig` (a ValueError); each
+entry layer turns that into its own user error in one place.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .llama import LlamaConfig, rope_params
+
+
+class UnsupportedHFConfig(ValueError):
+    """A config.json that llmsplit cannot represent; the message names the key and what is allowed."""
+
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_REQUIRED = object()
+# (config.json key, LlamaConfig field, kind, value when absent) — both directions read this.
+# The defaults are transformers' LlamaConfig defaults, so an absent key means what it means there.
+_KEYS = (
+    ("hidden_size", "dim", int, _REQUIRED),
+    ("num_hidden_layers", "n_layers", int, _REQUIRED),
+    ("num_attention_heads", "n_heads", int, _REQUIRED),
+    ("num_key_value_heads", "n_kv_heads", int, None),  # None: as many as attention heads
+    ("vocab_size", "vocab_size", int, _REQUIRED),
+    ("intermediate_size", "ffn_dim", int, _REQUIRED),
+    ("max_position_embeddings", "max_seq_len", int, 2048),
+    ("rms_norm_eps", "norm_eps", float, 1e-6),
+    ("tie_word_embeddings", "tie_embeddings", bool, False),
+)
+
+# Rotary scaling kinds transformers' Llama computes, and the keys each one reads.
+_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
+    """The model config of a Hugging Face folder, and its config.json as parsed (for the
+    keys that are not sizes: eos ids, dtype)."""
+    where = str(Path(folder) / "config.json")
+    try:
+        raw = json.loads(Path(where).read_text())
+    except (OSError, ValueError) as e:
+        raise UnsupportedHFConfig(f"{where!r} is not a readable JSON config ({e})") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedHFConfig(f"{where!r} holds {type(raw).__name__}, not the JSON object of a model config")
+    return config_from_hf(raw, where), raw
+
+
+def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
+    """Our model config from a parsed Hugging Face `config.json` (`where` names it in errors)."""
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or [SUPPORTED.get(model_type, model_type)]
+    if model_type not in SUPPORTED or archs[0] not in SUPPORTED.values():
+        raise UnsupportedHFConfig(f"{where}: architectures {archs[0]!r} (model_type {model_type!r}) is not "
+                                  f"supported; llmsplit loads {', '.join(sorted(SUPPORTED.values()))}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedHFConfig(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
+                                  f"the Llama family uses 'silu'")
+    if raw.get("mlp_bias"):
+        raise UnsupportedHFConfig(f"{where}: mlp_bias true is not supported; llmsplit's MLP has no biases")
+    if model_type != "qwen2" and raw.get("attention_bias"):
+        raise UnsupportedHFConfig(f"{where}: attention_bias true is not supported for model_type {model_type!r}; "
+                                  f"llmsplit has q/k/v biases (as Qwen2) but none on the attention output")
+    sizes = _sizes(raw, where)
+    rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rope = raw.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise UnsupportedHFConfig(f"{where}: {rope_key} is {rope!r}; it must be a JSON object with a rope_type key")
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise UnsupportedHFConfig(f"{where}: rope_theta is {theta!r}; it must be a positive number")
+    cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2",
+                      rope_scaling=_rope_scaling(rope, rope_key, raw, where))
+    if raw.get("head_dim") not in (None, cfg.head_dim):
+        raise UnsupportedHFConfig(f"{where}: head_dim {raw['head_dim']} is not hidden_size // num_attention_heads "
+                                  f"= {cfg.dim} // {cfg.n_heads} = {cfg.head_dim}, the only head size llmsplit's "
+                                  f"model computes")
+    return cfg
+
+
+def _sizes(raw: dict, where: str) -> dict:
+    """LlamaConfig's size fields from the key table, each checked for its kind."""
+    missing = [key for key, _, _, default in _KEYS if default is _REQUIRED and raw.get(key) is None]
+    if missing:
+        raise UnsupportedHFConfig(f"{where} lacks {', '.join(missing)}; a Llama-family config.json names "
+                                  f"{', '.join(k for k, _, _, d in _KEYS if d is _REQUIRED)}")
+    sizes = {}
+    for key, field, kind, default in _KEYS:
+        value = raw.get(key)
+        if value is None:
+            sizes[field] = default
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        else:  # a positive number; an integer where a count is meant
+            ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) \
+                and value > 0
+        if not ok:
+            raise UnsupportedHFConfig(f"{where}: {key} is {value!r}; it must be "
+                                      f"{'true or false' if kind is bool else f'a positive {kind.__name__}'}")
+        sizes[field] = kind(value)
+    return sizes
+
+
+def _rope_scaling(rope: dict, rope_key: str, raw: dict, where: str) -> str | None:
+    """`LlamaConfig.rope_scaling` (JSON text) from config.json's rope_parameters / rope_scaling."""
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor {partial} is not supported; "
+                                  f"the Llama family rotates whole heads (1.0)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_KEYS:
+        raise UnsupportedHFConfig(f"{where}: {rope_key}: rope scaling {rope_type!r} is not supported; "
+                                  f"llmsplit computes rope_type {', '.join(map(repr, _ROPE_KEYS))} and 'default'")
+    params = dict(rope)
+    # As transformers does: the pretraining length defaults to max_position_embeddings, which is
+    # also what "dynamic" always scales from (kept explicitly because inference resizes max_seq_len).
+    max_pos = raw.get("max_position_embeddings", 2048)
+    params.setdefault("original_max_position_embeddings", max_pos)
+    if rope_type == "dynamic":
+        params["original_max_position_embeddings"] = max_pos
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in params]
+    if missing:
+        raise UnsupportedHFConfig(f"{where}: {rope_key}: {rope_type} rope scaling lacks {', '.join(missing)}; "
+                                  f"add {'it' if len(missing) == 1 else 'them'}")
+    keep = {k: float(params[k]) for k in _ROPE_KEYS[rope_type]}
+    if rope_type != "linear":
+        keep["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return json.dumps({"rope_type": rope_type, **keep}, sort_keys=True)
+
+
+def eos_ids_from_hf(raw: dict) -> set[int]:
+    eos = raw.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
+
+def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype) -> dict:
+    """The config.json that makes transformers build `cfg` (`dtype`: a torch dtype or its name)."""
+    family = "qwen2" if cfg.qkv_bias else "llama"
+    return {
+        "architectures": [SUPPORTED[family]],
+        "model_type": family,
+        **{key: getattr(cfg, field) for key, field, _, _ in _KEYS},
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        **({"rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling)} if cfg.rope_scaling else {}),
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _rope_scaling_to_hf(scaling: str) -> dict:
+    params = dict(rope_params(scaling))
+    if params["rope_type"] not in _ROPE_KEYS:
+        raise UnsupportedHFConfig(f"model.rope_scaling {params['rope_type']!r} (llama.cpp's rope_freqs) has no "
+                                  f"config.json form; transformers computes {', '.join(map(repr, _ROPE_KEYS))}")
+    if params["rope_type"] == "dynamic":
+        params.pop("original_max_position_embeddings")  # transformers scales from max_position_embeddings
+    return params
