@@ -1,54 +1,76 @@
-"""The layer rules of ARCHITECTURE.md, checked on the import statements themselves."""
+"""The layer rules of ARCHITECTURE.md, as import-linter contracts ([tool.importlinter] in
+pyproject.toml): `lint-imports` follows every chain of imports, not only the direct ones."""
 
-import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-PKG = Path(__file__).parent.parent / "src" / "llmsplit"
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
-# package folder -> llmsplit subpackages/modules it must never import
-FORBIDDEN = {
-    "models": {"config", "io", "data", "parallel", "train", "infer", "plan", "diagnose", "cli", "launch"},
-    "parallel": {"train", "infer", "cli", "launch", "io", "data", "plan"},
-    "train": {"infer", "cli", "launch", "plan", "diagnose"},
-    "infer": {"train", "cli"},  # infer may start workers through launch.py
-    "plan": {"train", "infer", "cli", "launch", "parallel", "data", "io"},
-    "io": {"train", "infer", "cli", "launch", "parallel"},
-    "data": {"train", "infer", "cli", "launch", "parallel"},
-}
+ROOT = Path(__file__).parent.parent
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
 
-def _imported_llmsplit_modules(path: Path) -> set[str]:
-    pkg_parts = path.relative_to(PKG.parent).with_suffix("").parts[:-1]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = list(pkg_parts[: len(pkg_parts) - node.level + 1])
-                mod = base + (node.module.split(".") if node.module else [])
-            else:
-                mod = (node.module or "").split(".")
-            if mod and mod[0] == "llmsplit":
-                found.add(mod[1] if len(mod) > 1 else (node.names[0].name))
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "llmsplit" and len(parts) > 1:
-                    found.add(parts[1])
-    return found
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` with the contracts of cwd/pyproject.toml on the `llmsplit` found first from `cwd`."""
+    # PYTHONPATH: the custom contract type (tests/import_contracts.py); COLUMNS: no wrapped lines.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "250"}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_layers_import_only_what_they_may():
-    bad = []
-    for folder, forbidden in FORBIDDEN.items():
-        for path in (PKG / folder).glob("**/*.py") if (PKG / folder).exists() else []:
-            hits = _imported_llmsplit_modules(path) & forbidden
-            if hits:
-                bad.append(f"{path.relative_to(PKG)} imports {sorted(hits)}")
-    assert not bad, "\n".join(bad)
+def test_the_package_keeps_every_contract():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_nothing_imports_the_cli():
-    for path in PKG.glob("**/*.py"):
-        if path.name in ("cli.py", "__main__.py"):
-            continue
-        assert "cli" not in _imported_llmsplit_modules(path), path
+# Imports appended to files of a copy of the package: at least one breaks each contract.
+PLANTED = [
+    ("launch.py", "from .train import hangs"),  # the chain issue 16 found: infer -> launch -> train
+    ("models/__init__.py", "from ..config import Config"),
+    ("quant.py", '"""A new package nobody has placed in a layer yet."""'),
+    ("plan/__init__.py", "from ..io import weights"),
+    ("errors.py", "import torch"),
+    ("train/__init__.py", "from .. import plan"),
+    ("__init__.py", "from . import cli"),
+    ("infer/_planted.py", "x = 1"),
+    ("diagnose/__init__.py", "from ..infer._planted import x"),
+    ("diagnose/__init__.py", "from ..launch import _planted_helper"),
+]
+# What the report must then say, planted import by planted import.
+REPORTED = [
+    "llmsplit.launch is not allowed to import llmsplit.train",
+    "llmsplit.infer is not allowed to import llmsplit.train",  # through launch: transitive
+    "llmsplit.models is not allowed to import llmsplit.config",
+    "- llmsplit.quant",  # under "not listed as layers"
+    "llmsplit.plan is not allowed to import llmsplit.io",
+    "llmsplit.errors is not allowed to import torch",
+    "llmsplit.train is not allowed to import llmsplit.plan",
+    "- llmsplit -> llmsplit.cli",
+    "- llmsplit.diagnose -> llmsplit.infer._planted",
+    "llmsplit.diagnose imports _planted_helper from llmsplit.launch",
+]
+
+
+def test_every_contract_breaks_on_a_planted_import(tmp_path):
+    copy = tmp_path / "llmsplit"
+    shutil.copytree(ROOT / "src" / "llmsplit", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for name, line in PLANTED:
+        with open(copy / name, "a") as f:
+            f.write(f"\n{line}\n")
+    result = lint_imports(tmp_path)
+    report = result.stdout + result.stderr
+    assert result.returncode != 0, report
+    kept = [c["name"] for c in CONTRACTS if not re.search(re.escape(c["name"]) + r"\s+BROKEN", report)]
+    assert not kept, f"not broken by any planted import: {kept}\n{report}"
+    missing = [line for line in REPORTED if line not in report]
+    assert not missing, f"{missing}\n{report}"
