@@ -6,7 +6,7 @@ whatever the layout (DDP, ZeRO-1, FSDP, tensor and pipeline parallel in any mix)
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,13 +66,17 @@ class ParallelModel:
 
         return loss_parallel()
 
-    def accumulating(self):
-        """Around a micro-batch that is not the step's last: gradients accumulate locally, no
-        all-reduce (DDP) or reduce-scatter (FSDP) until the last one."""
-        return no_grad_sync(self.module)
+    @contextmanager
+    def micro_batch_context(self, last: bool):
+        """Around one micro-batch's forward, loss and backward. Before the step's last one
+        gradients accumulate locally: no all-reduce (DDP) or reduce-scatter (FSDP) until then."""
+        with (nullcontext() if last else no_grad_sync(self.module)), self.loss_context():
+            yield
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of the (fp16: scaled) loss; returns the loss's value as a plain tensor."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return full_tensor(loss.detach())
 
     def build_schedule(self, n_microbatches: int, loss_fn: Callable) -> None:
         """The pipeline schedule over `n_microbatches` per step, with the trainer's loss."""

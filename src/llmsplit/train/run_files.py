@@ -1,0 +1,114 @@
+"""What a run keeps in its folder besides checkpoints, and what a resumed run reads back:
+the folder itself (chosen by rank 0), metrics.jsonl, summary.json and the checkpoint to
+start from."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..config import Config
+from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, newest_checkpoint, resolve_checkpoint
+from .entry import default_run_dir
+from .progress import Progress, print_summary
+
+
+def agree_on_run_dir(cfg: Config, run_dir: str | None) -> Path:
+    """Rank 0 picks the run folder (a timestamp differs between machines) and tells the others."""
+    choice = [str(run_dir or default_run_dir(cfg.model.preset))]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0])
+
+
+def resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path | None:
+    """The checkpoint to start from, chosen by rank 0 so that every rank loads the same one."""
+    # A worker restarted by the elastic launcher after a crash resumes where it can.
+    if resume == "none" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
+    if resume == "none":
+        return None
+    choice = [None]
+    if rank0 and resume == "auto":
+        newest, skipped = newest_checkpoint(ck_dir)
+        for path, why in skipped:
+            print(f"llmsplit: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+        if newest is None:
+            print(f"llmsplit: no checkpoint to resume from in {ck_dir}; starting at step 0", file=sys.stderr, flush=True)
+        choice = [newest and str(newest)]
+    elif rank0:
+        choice = [str(resolve_checkpoint(resume)[1])]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
+
+
+class MetricsLog:
+    """Rank 0's record of the steps: a line of metrics.jsonl every `log_every` steps and at
+    the last, and the progress bar or log line of every step."""
+
+    def __init__(self, run_dir: Path, start_step: int, last_step: int, log_every: int):
+        path = run_dir / METRICS_FILE
+        _trim_metrics(path, start_step)
+        self.file = open(path, "a")
+        self.progress = Progress(last_step, start_step)
+        self.last_step, self.log_every = last_step, log_every
+
+    def add(self, record: dict) -> None:
+        if record["step"] % self.log_every == 0 or record["step"] == self.last_step:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        self.progress.update(record)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.file.close()
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop logged steps after the checkpoint so the file reads as one run."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    shutil.move(tmp, path)
+
+
+def run_summary(cfg: Config, world: int, model_cfg, history: list[dict], per_rank: list[dict], run_dir: Path,
+                micro_batch: int) -> dict:
+    """summary.json's content; `micro_batch` is the one the run trained with (--auto's trial
+    may have chosen another than the config's)."""
+    par, mem = cfg.parallel, cfg.memory
+    timed = history[1:] or history  # the first step pays for warm-up
+    total_time = sum(r["step_time_s"] for r in timed)
+    tokens = len(timed) * cfg.train.global_batch * cfg.data.seq_len
+    final_loss = history[-1]["loss"] if history else _last_logged_loss(run_dir)
+    return {
+        "world_size": world,
+        "layout": {"dp": par.dp, "dp_replicate": par.dp_replicate, "zero": par.zero, "tp": par.tp, "pp": par.pp,
+                   "pp_schedule": par.pp_schedule, "activation_checkpoint": mem.activation_checkpoint,
+                   "offload": mem.offload},
+        "micro_batch": micro_batch,
+        "steps": cfg.train.steps,
+        "final_loss": final_loss,
+        "tokens_per_s": tokens / total_time if total_time > 0 else 0.0,
+        "params": model_cfg.num_params(),
+        "precision": cfg.train.precision,
+        "per_rank": sorted(per_rank, key=lambda r: r["rank"]),
+    }
+
+
+def write_summary(summary: dict, run_dir: Path, first_loss: float | None) -> None:
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    print_summary(summary, run_dir, first_loss)
+
+
+def _last_logged_loss(run_dir: Path) -> float | None:
+    path = run_dir / METRICS_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else None
