@@ -6,19 +6,17 @@ Exit status: 0 success, 2 bad usage or invalid config (one sentence, no tracebac
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 from pathlib import Path
 
+from .cli_args import build_parser
 from .config import ConfigError
-
-EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser(COMMANDS)
     args = parser.parse_args(argv)
     args.program = argv is None  # the `llmsplit` program itself, not a call from Python
     if not getattr(args, "func", None):
@@ -32,142 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llmsplit: interrupted", file=sys.stderr)
         return 130
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmsplit", description="Split large language models across devices.",
-                                epilog=EPILOG)
-    p.add_argument("--version", action="version", version=f"llmsplit {__import__('llmsplit').__version__}")
-    sub = p.add_subparsers(title="commands", metavar="COMMAND")
-
-    t = sub.add_parser("train", help="train or fine-tune a model on 1..N workers",
-                       description="Train on local workers started by llmsplit, or inside torchrun.", epilog=EPILOG)
-    t.add_argument("--config", metavar="FILE.toml", help="TOML config (defaults: the tiny model on the built-in corpus)")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
-    t.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
-    t.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
-    t.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines (default 1)")
-    t.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's rank, 0..nnodes-1")
-    t.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0")
-    t.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (required with --nnodes > 1)")
-    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="restart the workers up to K times after a failure, resuming from the newest checkpoint")
-    t.add_argument("--resume", default="none", metavar="auto|none|PATH",
-                   help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint")
-    t.add_argument("--auto", action="store_true",
-                   help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
-    t.add_argument("--profile", type=int, metavar="STEPS", help="trace STEPS steps with torch.profiler into "
-                   "RUN_DIR/profile/ and print each rank's compute / communication / idle time")
-    t.set_defaults(func=cmd_train)
-
-    g = sub.add_parser("generate", help="load a model split across devices and generate text",
-                       description="Print the continuation of PROMPT (the prompt is not repeated). Environment: "
-                                   "LLMSPLIT_GPU_COUNT and LLMSPLIT_GPU_MEMORY_LIMIT (bytes or e.g. 20GiB per GPU) "
-                                   "limit the GPUs used.", epilog=EPILOG)
-    g.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
-                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
-    g.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
-    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
-    g.add_argument("--top-k", type=int, metavar="K")
-    g.add_argument("--top-p", type=float, metavar="P")
-    g.add_argument("--seed", type=int, metavar="S")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    _add_placement_args(g)
-    g.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
-    g.set_defaults(func=cmd_generate)
-
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
-                        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
-                                    "\"stream\": true), GET /health and GET /metrics, batching all live requests "
-                                    "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
-                                    "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
-                                    "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
-    sv.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
-    sv.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
-    sv.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
-                    "file name)")
-    sv.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8); "
-                    "the KV cache holds N full contexts")
-    sv.add_argument("--max-queue", type=int, default=64, metavar="N",
-                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
-    sv.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
-    sv.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                    help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
-    _add_placement_args(sv)
-    sv.set_defaults(func=cmd_serve)
-
-    pr = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
-                        description="A .jsonl file gives one document per line (its \"text\" field); "
-                                    "any other file is one document.", epilog=EPILOG)
-    pr.add_argument("inputs", nargs="+", metavar="FILE|GLOB")
-    pr.add_argument("--out", required=True, metavar="FILE", help="token file to write")
-    pr.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
-    pr.set_defaults(func=cmd_prepare)
-
-    ex = sub.add_parser("export", help="convert a training checkpoint to a Hugging Face safetensors folder",
-                        description="Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads: "
-                                    "config.json, safetensors (sharded above --max-shard-size), tokenizer files.",
-                        epilog=EPILOG)
-    ex.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CHECKPOINT",
-                    help="a run folder (its newest checkpoint) or one checkpoint folder")
-    ex.add_argument("--to", required=True, choices=("hf",), help="output format (hf: Hugging Face)")
-    ex.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
-    ex.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors file (default 5GiB)")
-    ex.set_defaults(func=cmd_export)
-
-    d = sub.add_parser("doctor", help="check torch, devices, backends, launcher variables and network",
-                       description="One line per check: OK, WARN or FAIL, each with the fix. Exit 1 if any FAIL.",
-                       epilog=EPILOG)
-    d.add_argument("--master-addr", metavar="HOST", help="check this master address (default: $MASTER_ADDR)")
-    d.add_argument("--master-port", type=int, metavar="PORT", help="check this port (default: $MASTER_PORT)")
-    d.add_argument("--json", action="store_true", help="print the checks as JSON")
-    d.set_defaults(func=cmd_doctor)
-
-    pt = sub.add_parser("plot", help="draw a run's loss, tokens/s and memory as PNG files (extra [plot])",
-                        epilog=EPILOG)
-    pt.add_argument("run_dir", metavar="RUN_DIR")
-    pt.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
-    pt.set_defaults(func=cmd_plot)
-
-    pl = sub.add_parser("plan", help="predict memory per device and step time for layouts; write a config",
-                        description="Predict, for each layout, memory per device term by term and the step "
-                                    "time; rank those that fit and say why the others do not.", epilog=EPILOG)
-    pl.add_argument("--model", required=True, metavar="PRESET|HF_FOLDER|CONFIG.toml")
-    pl.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices (CPU workers for --gpu cpu)")
-    pl.add_argument("--gpu", default="H100-80GB", metavar="NAME", help="device kind, or cpu (default H100-80GB)")
-    pl.add_argument("--nodes", type=int, metavar="K", help="machines the devices are spread over")
-    pl.add_argument("--seq-len", type=int, metavar="S")
-    pl.add_argument("--global-batch", type=int, metavar="B", help="train: sequences per step; infer: concurrent sequences")
-    pl.add_argument("--mode", default="train", choices=("train", "infer"))
-    pl.add_argument("--precision", metavar="fp32|bf16|fp16", help="default: bf16 on GPUs, fp32 on cpu, or the config's")
-    pl.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1")
-    pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
-    pl.add_argument("--json", action="store_true", help="print one JSON document")
-    pl.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config")
-    pl.set_defaults(func=cmd_plan)
-    return p
-
-
-def _add_placement_args(p: argparse.ArgumentParser) -> None:
-    """Where a model for generation lives: the same flags for `generate` and `serve`."""
-    p.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
-                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
-    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
-    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
-    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
-    p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
-    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
-                   "the model's, at most 4096)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
-                   "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
 
 
 # ---------------------------------------------------------------- train
@@ -347,82 +209,69 @@ def _use_pretrained_sizes(cfg) -> None:
 def cmd_generate(args) -> int:
     import llmsplit
 
+    from .diagnose.oom import infer_failure, infer_oom_errors
+
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if not prompt:
         raise ConfigError("the prompt is empty; pass PROMPT words or text on standard input")
+    try:
+        m = llmsplit.load(args.model, **_placement_kwargs(args), max_batch=1)
+    except infer_oom_errors() as e:
+        failure = infer_failure(e, "loading the model")
+    else:
+        failure = _print_generation(m, prompt, args)
+        del m  # closed; what it held must be free before a failure is explained
+    if failure is not None:  # outside `except`: the traceback no longer holds the half-loaded model
+        return _explain_infer_failure(args, failure, max_batch=1)
+    return 0
+
+
+def _print_generation(m, prompt: str, args):
+    """Print the continuation of `prompt` (and, asked, the device map); close `m`. Returns
+    None, or the `InferFailure` of a generation that ran out of memory."""
     import torch
 
-    from .infer.placement import PlacementError
+    from .diagnose.oom import infer_failure
 
-    failure = None
-    try:
-        m = llmsplit.load(args.model, device_map=args.device_map, max_memory=args.max_memory,
-                          offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=1,
-                          max_context=args.max_context, compile=args.compile)
-    except (PlacementError, torch.OutOfMemoryError) as e:
-        failure = _infer_failure(e, "loading the model")
-    if failure is not None:  # outside `except`: the traceback no longer holds the half-loaded model
-        return _explain_infer_oom(args, 1, *failure)
+    def emit(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     try:
         if args.show_device_map:
             print(m.placement.describe() if m.placement else
                   "device map:\n" + "\n".join(f"  {u}: {d}" for u, d in m.device_map.items()), file=sys.stderr)
-
-        def emit(piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
         text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                           ignore_eos=args.ignore_eos, on_text=emit if args.stream else None)
     except torch.OutOfMemoryError as e:
-        failure = _infer_failure(e, "generating")
+        return infer_failure(e, "generating")
     finally:
         m.close()
-    if failure is not None:
-        del m
-        return _explain_infer_oom(args, 1, *failure)
     if not args.stream:
         sys.stdout.write(text)
     sys.stdout.write("\n")
-    return 0
+    return None
 
 
-def _infer_failure(error: BaseException, where: str) -> tuple:
-    """(refused by placement?, the measured CUDA stop or None) for `_explain_infer_oom`."""
-    from .infer.placement import PlacementError
-
-    if isinstance(error, PlacementError):
-        return True, None
-    from .diagnose.oom import infer_failure_from_cuda
-
-    return False, infer_failure_from_cuda(error, where)
+def _placement_kwargs(args) -> dict:
+    """The placement flags of generate and serve (`cli_args._add_placement_args`) as `llmsplit.load` arguments."""
+    return dict(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir,
+                dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile)
 
 
-def _explain_infer_oom(args, max_batch: int, placement_refused: bool, failure: dict | None) -> int:
-    """generate/serve out of memory (placement refused the budgets, or CUDA ran out): the
-    placement's breakdown against the budgets and the one-flag changes that fit; exit 1."""
-    import gc
+def _explain_infer_failure(args, failure, max_batch: int) -> int:
+    """generate/serve out of memory: the placement's breakdown against the budgets and the
+    one-flag changes that fit; exit 1."""
+    from .diagnose.oom import explain_infer_failure
 
-    import torch
-
-    from .diagnose.oom import explain_infer_oom
-    from .infer.api import placement_mode, run_sizes
-    from .infer.placement import detect_budgets
-    from .io.weights import open_weights
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # so that the budgets read below are the device's, not the failed load's
-    source = open_weights(args.model)
-    _, sizes = run_sizes(source, args.dtype, max_batch, args.max_context)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    report = explain_infer_oom(source.config, sizes, detect_budgets(args.max_memory, args.offload_dir),
-                               placement_mode(args.device_map), failure, offload_dir=args.offload_dir,
-                               max_batch_flag=args.func is cmd_serve, gpus=gpus)
-    print(f"llmsplit: {'generate' if args.func is cmd_generate else 'serve'} failed: {report['text']}\n"
+    serving = args.func is cmd_serve
+    text = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
+                                 offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
+                                 max_context=args.max_context, max_batch_flag=serving)
+    print(f"llmsplit: {'serve' if serving else 'generate'} failed: {text}\n"
           f"hint: add one of the flags above to the same command", file=sys.stderr)
     return 1
 
@@ -430,9 +279,8 @@ def _explain_infer_oom(args, max_batch: int, placement_refused: bool, failure: d
 # ---------------------------------------------------------------- serve
 
 def cmd_serve(args) -> int:
-    import torch
-
-    from .infer.placement import PlacementError, parse_size
+    from .diagnose.oom import infer_failure, infer_oom_errors
+    from .infer.placement import parse_size
 
     try:
         from .infer.server import serve
@@ -443,13 +291,11 @@ def cmd_serve(args) -> int:
     try:
         serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
-              drain_timeout=args.drain_timeout, device_map=args.device_map, max_memory=args.max_memory,
-              offload_dir=args.offload_dir, dtype=args.dtype, tp=args.tp, pp=args.pp, max_batch=args.max_batch,
-              max_context=args.max_context, compile=args.compile)
-    except (PlacementError, torch.OutOfMemoryError) as e:  # raised while loading, before serving starts
-        failure = _infer_failure(e, "loading the model")
+              drain_timeout=args.drain_timeout, max_batch=args.max_batch, **_placement_kwargs(args))
+    except infer_oom_errors() as e:  # raised while loading, before serving starts
+        failure = infer_failure(e, "loading the model")
     if failure is not None:
-        return _explain_infer_oom(args, args.max_batch, *failure)
+        return _explain_infer_failure(args, failure, args.max_batch)
     return 0
 
 
@@ -517,3 +363,7 @@ def cmd_export(args) -> int:
     print(f"wrote {info['out']}: {info['tensors']} tensors in {info['files']} safetensors file(s), "
           f"{info['params'] / 1e6:.2f}M parameters")
     return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "serve": cmd_serve, "prepare": cmd_prepare,
+            "export": cmd_export, "doctor": cmd_doctor, "plot": cmd_plot, "plan": cmd_plan}

@@ -1,0 +1,172 @@
+"""The argparse set-up of `llmsplit <command>`: one function per subcommand, each adding
+that command's flags; `cli.py` binds every command to its handler."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
+
+
+def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
+    """The `llmsplit` parser; `handlers[name]` becomes `args.func` of subcommand `name`."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="llmsplit", description="Split large language models across devices.",
+                                epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"llmsplit {__version__}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    for name, add in SUBCOMMANDS:
+        add(sub).set_defaults(func=handlers[name])
+    return p
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train or fine-tune a model on 1..N workers",
+                       description="Train on local workers started by llmsplit, or inside torchrun.", epilog=EPILOG)
+    p.add_argument("--config", metavar="FILE.toml", help="TOML config (defaults: the tiny model on the built-in corpus)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
+    p.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
+    p.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's rank, 0..nnodes-1")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0")
+    p.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (required with --nnodes > 1)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart the workers up to K times after a failure, resuming from the newest checkpoint")
+    p.add_argument("--resume", default="none", metavar="auto|none|PATH",
+                   help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint")
+    p.add_argument("--auto", action="store_true",
+                   help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
+    p.add_argument("--profile", type=int, metavar="STEPS", help="trace STEPS steps with torch.profiler into "
+                   "RUN_DIR/profile/ and print each rank's compute / communication / idle time")
+    return p
+
+
+def _add_generate(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="load a model split across devices and generate text",
+                       description="Print the continuation of PROMPT (the prompt is not repeated). Environment: "
+                                   "LLMSPLIT_GPU_COUNT and LLMSPLIT_GPU_MEMORY_LIMIT (bytes or e.g. 20GiB per GPU) "
+                                   "limit the GPUs used.", epilog=EPILOG)
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
+                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
+    p.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, metavar="K")
+    p.add_argument("--top-p", type=float, metavar="P")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _add_placement_args(p)
+    p.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
+    return p
+
+
+def _add_serve(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
+                       description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
+                                   "\"stream\": true), GET /health and GET /metrics, batching all live requests "
+                                   "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
+                                   "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
+                                   "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
+                   "file name)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8); "
+                   "the KV cache holds N full contexts")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
+    p.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
+    _add_placement_args(p)
+    return p
+
+
+def _add_prepare(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
+                       description="A .jsonl file gives one document per line (its \"text\" field); "
+                                   "any other file is one document.", epilog=EPILOG)
+    p.add_argument("inputs", nargs="+", metavar="FILE|GLOB")
+    p.add_argument("--out", required=True, metavar="FILE", help="token file to write")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
+    return p
+
+
+def _add_export(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="convert a training checkpoint to a Hugging Face safetensors folder",
+                       description="Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads: "
+                                   "config.json, safetensors (sharded above --max-shard-size), tokenizer files.",
+                       epilog=EPILOG)
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CHECKPOINT",
+                   help="a run folder (its newest checkpoint) or one checkpoint folder")
+    p.add_argument("--to", required=True, choices=("hf",), help="output format (hf: Hugging Face)")
+    p.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
+    p.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors file (default 5GiB)")
+    return p
+
+
+def _add_doctor(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("doctor", help="check torch, devices, backends, launcher variables and network",
+                       description="One line per check: OK, WARN or FAIL, each with the fix. Exit 1 if any FAIL.",
+                       epilog=EPILOG)
+    p.add_argument("--master-addr", metavar="HOST", help="check this master address (default: $MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, metavar="PORT", help="check this port (default: $MASTER_PORT)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    return p
+
+
+def _add_plot(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plot", help="draw a run's loss, tokens/s and memory as PNG files (extra [plot])",
+                       epilog=EPILOG)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
+    return p
+
+
+def _add_plan(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="predict memory per device and step time for layouts; write a config",
+                       description="Predict, for each layout, memory per device term by term and the step "
+                                   "time; rank those that fit and say why the others do not.", epilog=EPILOG)
+    p.add_argument("--model", required=True, metavar="PRESET|HF_FOLDER|CONFIG.toml")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices (CPU workers for --gpu cpu)")
+    p.add_argument("--gpu", default="H100-80GB", metavar="NAME", help="device kind, or cpu (default H100-80GB)")
+    p.add_argument("--nodes", type=int, metavar="K", help="machines the devices are spread over")
+    p.add_argument("--seq-len", type=int, metavar="S")
+    p.add_argument("--global-batch", type=int, metavar="B", help="train: sequences per step; infer: concurrent sequences")
+    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--precision", metavar="fp32|bf16|fp16", help="default: bf16 on GPUs, fp32 on cpu, or the config's")
+    p.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config")
+    return p
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """Where a model for generation lives: the same flags for `generate` and `serve`."""
+    p.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
+                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
+    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
+    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
+    p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
+    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
+                   "the model's, at most 4096)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
+                   "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
+
+
+# In the order `llmsplit --help` lists them.
+SUBCOMMANDS = (("train", _add_train), ("generate", _add_generate), ("serve", _add_serve), ("prepare", _add_prepare),
+               ("export", _add_export), ("doctor", _add_doctor), ("plot", _add_plot), ("plan", _add_plan))
