@@ -304,8 +304,8 @@ def _split_changes(cfg: LlamaConfig, sizes, budgets: dict, scale: float, gpus: i
     for n in (k for k in (2, 4, 8) if k <= gpus):
         for flag, lay in (("--tp", Layout(tp=n)), ("--pp", Layout(pp=n))):
             try:
-                check_split(cfg, lay.tp, lay.pp)
-            except Exception:
+                check(cfg, lay, work)
+            except ConfigError:
                 continue
             if inference_memory(cfg, lay, work, device).total * scale <= (1 - MARGIN) * device.memory_bytes:
                 found.append((flag, str(n), f"{n} GPUs, one worker each"))
