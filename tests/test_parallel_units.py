@@ -8,8 +8,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llmsplit.models import LlamaConfig, Transformer
-from llmsplit.layout import (ACTION_COSTS, bubble_fraction, schedule_bubble, single_stage_order, split_layers,
-                             stage_ids_of_rank)
+from llmsplit.layout import (ACTION_COSTS, Layout, bubble_fraction, schedule_bubble, single_stage_order,
+                             stage_ids_of_rank, stage_layers)
 from llmsplit.parallel.pipeline import post_receives_first
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, max_seq_len=32)
@@ -72,13 +72,21 @@ def test_every_tensor_parallel_module_matches_the_unsharded_one(tmp_path, tp, sp
 
 
 def test_stage_split_balances_cost_not_layer_count():
+    # A layer's matmuls: 64·16·(4 + 2·4) + 4·16·64 + 3·64·128 = 40,960 weights. A head over
+    # 25,600 tokens is 25600·64 / 40960 = 40 layers' worth, its embedding 5% of that, 2:
+    # with 2 stages the last one's cost is 40 + its layers, so it gets just the one layer
+    # every stage must have (max 41; the first stage costs 2 + 7 = 9).
     big_head = LlamaConfig(dim=64, n_layers=8, n_heads=4, vocab_size=64 * 400, ffn_dim=128, max_seq_len=32)
-    stages = split_layers(big_head, 2)
-    assert [i for s in stages for i in s] == list(range(8))       # contiguous, every layer once
-    assert len(stages[0]) > len(stages[1])                         # the head weighs on the last stage
+    assert stage_layers(big_head, Layout(pp=2)) == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    # Two stages per rank (interleaved), 4 stages: the last costs 40 + its layers, so the
+    # minimum (41) needs it to hold one layer; how the other three share 7 is a tie.
+    assert stage_layers(big_head, Layout(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2))[-1] == [7]
+    # A head of 8 tokens costs 0.0125 of a layer: an even split, [2, 2, 2, 2] (max 2.0125),
+    # is the only one under 3.
     cheap_head = LlamaConfig(dim=64, n_layers=8, n_heads=4, vocab_size=8, ffn_dim=128, max_seq_len=32)
-    assert [len(s) for s in split_layers(cheap_head, 4)] == [2, 2, 2, 2]
-    assert all(len(s) >= 1 for s in split_layers(big_head, 8))
+    assert stage_layers(cheap_head, Layout(pp=4)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # As many stages as layers: one each, whatever the head costs.
+    assert stage_layers(big_head, Layout(pp=8)) == [[i] for i in range(8)]
 
 
 def _split_backward_1f1b(p, m):
@@ -88,17 +96,28 @@ def _split_backward_1f1b(p, m):
             for rank, actions in single_stage_order("1f1b", p, m).items()}
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16)])
-def test_simulated_bubble_of_gpipe_and_1f1b_is_the_formula(p, m):
+# (p, m, idle fraction): each rank idles p − 1 forward and p − 1 backward slots of m + p − 1,
+# e.g. p = 2, m = 2: 1 of 3.
+@pytest.mark.parametrize("p,m,idle", [(2, 2, 1 / 3), (2, 8, 1 / 9), (4, 4, 3 / 7), (4, 16, 3 / 19)])
+def test_simulated_bubble_of_gpipe_and_1f1b_is_the_formula(p, m, idle):
     ranks = {r: r for r in range(p)}
-    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks) == pytest.approx(bubble_fraction("gpipe", p, m, 1))
-    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction("gpipe", p, m, 1) == bubble_fraction("1f1b", p, m, 1) == pytest.approx(idle)
+    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks) == pytest.approx(idle)
+    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks) == pytest.approx(idle)
     # Whatever a backward costs against a forward, as long as every stage is alike.
     costs = {"F": 1.0, "B": 3.5, "I": 1.0, "W": 1.0}
-    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks, costs) == pytest.approx((p - 1) / (m + p - 1))
+    assert schedule_bubble(single_stage_order("gpipe", p, m), ranks, costs) == pytest.approx(idle)
     # A slower last stage: the others wait for it, so the bubble grows past the formula.
     slow_last = {**costs, (p - 1, "F"): 1.5, (p - 1, "B"): 5.0}
-    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks, slow_last) > (p - 1) / (m + p - 1)
+    assert schedule_bubble(single_stage_order("1f1b", p, m), ranks, slow_last) > idle + 0.01
+
+
+def test_bubble_fraction_of_interleaved_and_v_schedules():
+    # Interleaved, v = 2: p − 1 idle slots of v·m + p − 1, p = 4, m = 4: 3 of 11.
+    assert bubble_fraction("interleaved_1f1b", 4, 4, 2) == pytest.approx(3 / 11)
+    # zbv and dualpipev hold two stages per rank whatever pp_virtual_stages says: p = 2, m = 4: 1 of 9.
+    assert bubble_fraction("zbv", 2, 4, 1) == bubble_fraction("dualpipev", 2, 4, 1) == pytest.approx(1 / 9)
+    assert bubble_fraction("1f1b", 1, 4, 1) == 0.0
 
 
 def test_simulated_bubble_takes_the_duration_of_single_actions():
