@@ -26,9 +26,27 @@ def test_every_budget_is_respected_and_units_stay_in_order():
     assert p.device_map["output"] in ("cuda:0", "cuda:1") and p.device_map["layers.31"] == "disk"
 
 
+def test_units_weigh_what_the_modules_hold():
+    import torch
+
+    from llmsplit.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(CFG).to(torch.bfloat16)
+    for unit, size in units(CFG, 2):
+        assert size == sum(p.numel() * p.element_size() for p in model.get_submodule(unit).parameters()), unit
+
+
 def test_the_kv_cache_is_counted():
+    import torch
+
+    from llmsplit.infer.kv_cache import PagedKVCache
+
     kv = kv_bytes_per_layer(CFG, BF16)
-    assert kv == 2 * 8 * 128 * 2 * 4 * 4096  # 2 (k, v) x kv heads x head dim x bytes x batch x context
+    # The engine's paged cache for one layer, 4 sequences of 4096 tokens in blocks of 16 (meta: no memory).
+    one_layer = PagedKVCache(4 * 4096 // 16, 16, CFG.n_kv_heads, CFG.head_dim, {0: torch.device("meta")},
+                             torch.bfloat16)
+    assert kv == one_layer.nbytes()
     p = place(CFG, {"cuda:0": 80 * GiB}, "auto", BF16)
     assert p.usage["cuda:0"]["kv_cache"] == 32 * kv
     weights = p.usage["cuda:0"]["weights"]
