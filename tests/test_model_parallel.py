@@ -93,7 +93,7 @@ def test_tensor_parallel_halves_the_weights_each_rank_holds(reference, tmp_path)
 
 @pytest.mark.parametrize("sets, fragment", [
     (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"],
-     "model.n_heads=3 is not divisible by parallel.tp=2; use parallel.tp in 1, 3"),
+     "parallel.tp=2 does not divide model.n_heads=3; use parallel.tp in 1, 3"),
     (["parallel.tp=2", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=48"],
      "model.n_kv_heads=3 is neither divisible by nor a divisor of parallel.tp=2; use parallel.tp in 1, 3, 6"),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual_stages=2"], "needs parallel.pp_schedule"),
@@ -101,7 +101,8 @@ def test_tensor_parallel_halves_the_weights_each_rank_holds(reference, tmp_path)
     (["parallel.pp=2", "model.n_layers=1"], "model.n_layers=1 is fewer than"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3"], "model.n_layers=4 is fewer than"),
     (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1"),
-    (["parallel.tp=2", "model.vocab_size=301"], "model.vocab_size=301 is not divisible by parallel.tp=2"),
+    # Issue 16's first defect: this passed validation, then gloo aborted every worker.
+    (["parallel.tp=2", "data.seq_len=33"], "data.seq_len=33 is not divisible by parallel.tp=2"),
 ])
 def test_layouts_that_do_not_divide_are_refused_before_workers_start(tmp_path, capsys, sets, fragment):
     # In-process: the console script's main(), without an interpreter start-up per case.
