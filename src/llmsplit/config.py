@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError  # re-exported: callers import it from here too
-from .layout import CHECKPOINTING, OFFLOADS, PRECISIONS, SCHEDULES, Layout, Workload, check, resolve_dp
+from .layout import PRECISIONS, Layout, Workload, check, resolve_dp
 
 
 @dataclass
@@ -114,13 +114,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "train.lr_schedule": ("cosine", "linear", "constant"),
-    "train.precision": PRECISIONS,
-    "parallel.pp_schedule": SCHEDULES,
-    "memory.activation_checkpoint": CHECKPOINTING,
-    "memory.offload": OFFLOADS,
-}
+# The [parallel] and [memory] choices are layout.check's.
+CHOICES = {"train.lr_schedule": ("cosine", "linear", "constant"), "train.precision": PRECISIONS}
 
 # Keys whose features later releases deliver; refusing them here is more honest than
 # silently training something else.
