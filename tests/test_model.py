@@ -132,7 +132,9 @@ def test_presets_have_the_published_sizes():
     assert abs(preset_config("llama-3-8b").num_params() / 1e9 - 8.03) < 0.01
     assert abs(preset_config("llama-2-7b").num_params() / 1e9 - 6.74) < 0.01
     assert abs(preset_config("llama-3-70b").num_params() / 1e9 - 70.55) < 0.01
-    assert 1e6 < preset_config("tiny").num_params() < 1e7
+    # tiny, by hand: a layer is wq 256·256 + wk, wv 2·256·128 + wo 256·256 + w1, w2, w3
+    # 3·256·688 + 2 norms of 256 = 725,504; 4 of them, embedding and head 2·264·256, final norm 256.
+    assert preset_config("tiny").num_params() == 4 * 725_504 + 2 * 264 * 256 + 256 == 3_037_440
     with torch.device("meta"):  # the big ones build on meta without memory
         m = Transformer(preset_config("llama-3-70b"))
     assert m.layers["0"].attention.wk.weight.shape == (1024, 8192)
