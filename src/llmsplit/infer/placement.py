@@ -70,10 +70,7 @@ class Placement:
 
 def units(cfg: LlamaConfig, dtype_bytes: int) -> list[tuple[str, int]]:
     """(unit, weight bytes) in model order."""
-    hd = cfg.head_dim
-    attn = cfg.dim * hd * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * hd * cfg.dim
-    attn += hd * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
-    layer = (attn + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim) * dtype_bytes
+    layer = cfg.layer_params() * dtype_bytes
     emb = cfg.vocab_size * cfg.dim * dtype_bytes
     return ([("tok_embeddings", emb)] + [(f"layers.{i}", layer) for i in range(cfg.n_layers)]
             + [("norm", cfg.dim * dtype_bytes), ("output", emb)])

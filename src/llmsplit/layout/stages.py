@@ -13,9 +13,7 @@ from .spec import V_SCHEDULES, Layout, stages_per_rank
 def layer_costs(cfg: LlamaConfig) -> tuple[list[float], float, float]:
     """Relative forward cost of each layer, of the embedding and of norm + output head,
     in units of one layer's matmul FLOPs per token."""
-    hd = cfg.head_dim
-    layer = cfg.dim * hd * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * hd * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
-    head = cfg.vocab_size * cfg.dim / layer
+    head = cfg.vocab_size * cfg.dim / cfg.layer_matmul_params()
     embed = 0.05 * head  # a lookup, not a matmul; still memory traffic
     return [1.0] * cfg.n_layers, embed, head
 

@@ -48,17 +48,25 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def kv_params(self) -> int:
+        """Parameters of one layer's key and value projections (with their biases)."""
+        return 2 * self.head_dim * self.n_kv_heads * (self.dim + (1 if self.qkv_bias else 0))
+
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer's matmuls (q, k, v, o, gate, up, down): its FLOPs per token / 2."""
+        hd = self.head_dim
+        return self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: the matmuls, the q/k/v biases and the two norms."""
+        bias = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
+        return self.layer_matmul_params() + bias + 2 * self.dim
+
     def num_params(self) -> int:
         """Parameter count, computed from the sizes alone (no model is built)."""
-        hd = self.head_dim
-        attn = self.dim * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * self.dim
-        if self.qkv_bias:
-            attn += hd * (self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.dim * self.ffn_dim
-        norms = 2 * self.dim
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.n_layers * (attn + mlp + norms) + embed + head + self.dim
+        return self.n_layers * self.layer_params() + embed + head + self.dim
 
 
 class RMSNorm(nn.Module):

@@ -54,12 +54,11 @@ class Breakdown:
 
 def layer_params(cfg: LlamaConfig, tp: int = 1) -> int:
     """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
-    h, d = cfg.dim, cfg.head_dim
-    q_o_mlp = 2 * h * d * cfg.n_heads + 3 * h * cfg.ffn_dim + (d * cfg.n_heads if cfg.qkv_bias else 0)
-    kv = 2 * d * cfg.n_kv_heads * (h + (1 if cfg.qkv_bias else 0))
+    norms, kv = 2 * cfg.dim, cfg.kv_params()
+    q_o_mlp = cfg.layer_params() - kv - norms
     # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
     kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
-    return q_o_mlp // tp + kv_share + 2 * h
+    return q_o_mlp // tp + kv_share + norms
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
