@@ -12,7 +12,7 @@ from llmsplit.diagnose.oom import explain_oom, set_args
 from llmsplit.config import layout_of
 from llmsplit.plan.hardware import get_device
 from llmsplit.layout import Layout
-from llmsplit.train.limits import MemoryLimitExceeded, parse_oom
+from llmsplit.train.limits import MemoryLimitExceeded
 
 # The tiny model on long sequences: activations dominate, so the limit can sit well away
 # from both runs' peaks (a CPU peak varies by ~8% from one try to the next and grows after
@@ -37,12 +37,38 @@ def _config(tmp_path):
     return path
 
 
-def test_the_failure_message_carries_the_numbers():
-    e = MemoryLimitExceeded(1, 900, 640, "memory.limit_bytes", "step 2")
-    wrapped = f"worker rank 1 failed: llmsplit.train.limits.MemoryLimitExceeded: {e}"
-    assert parse_oom(wrapped) == {"rank": 1, "peak_bytes": 900, "limit_bytes": 640, "source": "memory.limit_bytes",
-                                  "where": "step 2"}
-    assert parse_oom("worker rank 0 failed: fault injected") is None
+def test_a_workers_memory_figures_reach_the_launcher_as_data(tmp_path, monkeypatch):
+    """What the launcher reads back for a failed worker (its error file's folder) holds the
+    exception's class and fields, not a message to parse."""
+    from types import SimpleNamespace
+
+    from llmsplit.launch import _carried, worker_entry
+
+    error_file = tmp_path / "attempt_0" / "1" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def worker(where):
+        raise MemoryLimitExceeded(1, 900 * 2**20, 640 * 2**20, "memory.limit_bytes", where)
+
+    with pytest.raises(MemoryLimitExceeded, match="rank 1 peaked at 900 MiB"):
+        worker_entry(worker)("step 2")
+    assert _carried(SimpleNamespace(error_file=str(error_file))) == {
+        "type": "MemoryLimitExceeded",
+        "details": {"rank": 1, "peak_bytes": 900 * 2**20, "limit_bytes": 640 * 2**20, "source": "memory.limit_bytes",
+                    "where": "step 2"}}
+    # An exception without fields leaves nothing; nor does a worker without an error file.
+    other = tmp_path / "attempt_1" / "0" / "error.json"
+    other.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(other))
+
+    def fails():
+        raise RuntimeError("fault injected")
+
+    with pytest.raises(RuntimeError):
+        worker_entry(fails)()
+    assert _carried(SimpleNamespace(error_file=str(other))) == {}
+    assert _carried(SimpleNamespace(error_file="<N/A>")) == {}
 
 
 def test_set_args_name_the_config_keys():

@@ -18,9 +18,11 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     return _load(path, device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, dtype=dtype, **options)
 
 
-# The subpackage is imported first so that the name `llmsplit.plan` ends up bound to the
-# function below (importing a subpackage later would not rebind it over the function).
+# The subpackages are imported first so that the names `llmsplit.plan` and `llmsplit.train`
+# end up bound to the functions below (importing a subpackage later would not rebind it
+# over the function).
 from . import plan as _plan_package  # noqa: E402,F401
+from . import train as _train_package  # noqa: E402,F401
 
 
 def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) -> dict:
@@ -42,3 +44,20 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
     if emit_config:
         return _emit(model, gpus, gpu, emit_config, **options)[1]
     return plan_report(model, gpus, gpu, **options)
+
+
+def train(config=None, nproc=None, run_dir=None, resume="none", **options):
+    """Train as `config` says (a .toml path, a `Config`, or None: the tiny model on the
+    built-in corpus) on `nproc` local worker processes, or as one rank inside torchrun.
+
+    options: overrides (["train.steps=10", ...], like --set), auto (the planner's layout),
+    nnodes, node_rank, master_addr, master_port, max_restarts. `resume`: "none", "auto"
+    (the newest checkpoint in `run_dir`) or a run folder or checkpoint. Returns a
+    `TrainResult`: run_dir, summary (summary.json's content), final_loss, micro_batch (the
+    one the run trained with), plan_check, per_rank. Raises `ConfigError` before any worker
+    starts when the run cannot work, `TrainingFailed` (with `hint`, and the measured
+    `out_of_memory` figures and the planner's `explanation` when it ran out) when a worker fails.
+    """
+    from .training import train as _train
+
+    return _train(config, nproc, run_dir, resume, **options)

@@ -35,173 +35,27 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- train
 
 def cmd_train(args) -> int:
-    from .config import load_config, model_config, record_model_sizes, to_toml, validate
-    from .data.corpus import check_source
-    from .io.run_dir import CONFIG_FILE, METRICS_FILE, checkpoint_dir, newest_checkpoint, resolve_checkpoint
-    from .io.tokenizer import load_tokenizer
-    from .launch import (LaunchError, check_master_addr, claim_process_for_launching, default_nproc, launch,
-                         start_method, under_torchrun)
-    from .train.limits import MemoryLimitExceeded
-    from .train.entry import default_run_dir, run_worker
+    from .launch import claim_process_for_launching, under_torchrun
+    from .training import TrainingFailed, train
 
-    torchrun = under_torchrun()
-    if args.program and not torchrun:
+    if args.program and not under_torchrun():
         claim_process_for_launching()  # before anything here computes
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc {args.nproc} must be at least 1")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank {args.node_rank} must be between 0 and --nnodes - 1 = {args.nnodes - 1}")
-    if args.nnodes > 1 and args.master_port is None:
-        raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
-    if args.nnodes > 1 and not torchrun:
-        check_master_addr(args.master_addr, args.master_port)
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts} must be 0 or more")
-    run_dir = Path(args.run_dir) if args.run_dir else None
-    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
-    if args.resume == "auto" and run_dir is None:
-        raise ConfigError("--resume auto needs --run-dir (the run to continue)")
-    # A damaged or missing checkpoint is refused here, before any worker starts.
-    resume_from = resolve_checkpoint(args.resume)[1] if args.resume not in ("auto", "none") else None
-    config_path, sets = args.config, list(args.set)
-    if config_path is None and args.resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
-        # Continue a run with its own config; the data-parallel degree follows the new
-        # world size (checkpoints load under any layout) unless --set says otherwise.
-        config_path, sets = run_dir / CONFIG_FILE, ["parallel.dp=-1", *sets]
-    if run_dir is not None and args.resume == "none" and any((run_dir / f).exists() for f in (CONFIG_FILE, METRICS_FILE)):
-        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
-                          f"or choose another --run-dir")
-
+    overrides = list(args.set)
     if args.profile is not None:
         if args.profile < 1:
             raise ConfigError(f"--profile {args.profile} must be at least 1 (steps to trace)")
-        sets.append(f"train.profile_steps={args.profile}")
-    cfg = load_config(config_path, sets)
-    if cfg.model.hf:
-        _use_pretrained_sizes(cfg)
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or default_nproc()) * args.nnodes
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_source(cfg.data.source)
-    model_cfg = model_config(cfg, tokenizer.vocab_size)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else args.nproc or default_nproc()
-    if args.auto:
-        cfg = _apply_auto(cfg, model_cfg, world, per_node)
-    validate(cfg, world, model_cfg, tokenizer.vocab_size)
-    record_model_sizes(cfg, model_cfg)
-    if args.resume == "auto":
-        resume_from = newest_checkpoint(checkpoint_dir(cfg, run_dir))[0]  # the workers warn about skipped ones
-    if resume_from is not None:
-        from .train.checkpoint import check_fits
-
-        check_fits(resume_from, model_cfg)
-    config_text = to_toml(cfg)
-
-    if torchrun:
-        # Every rank proposes a run folder and rank 0's is taken, so rank 0 knows where it is.
-        run_dir = run_dir or default_run_dir(cfg.model.preset)
-        try:
-            summary = run_worker(config_text, str(run_dir), args.resume)
-        except MemoryLimitExceeded as e:
-            if int(os.environ["RANK"]) == 0:
-                _explain_oom(str(e), cfg, model_cfg, world, per_node)
-            return 1
-        if summary is not None:  # rank 0
-            _plan_check(run_dir, cfg, model_cfg, world, per_node)
-        return 0
-    if run_dir is None and args.nnodes == 1:
-        run_dir = default_run_dir(cfg.model.preset)
-    nproc = args.nproc or default_nproc()
-    if nproc > 1 and start_method() == "fork":
-        # Forked workers inherit what is imported here: import the trainer (DTensor, DCP:
-        # ~2 s) once, not once per worker on the same cores.
-        importlib.import_module("llmsplit.train.trainer")
-    print(f"llmsplit: training on {world} worker(s) ({nproc} on this machine); run dir "
-          f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
+        overrides.append(f"train.profile_steps={args.profile}")
     try:
-        launch(run_worker, (config_text, str(run_dir) if run_dir else None, args.resume), nproc=nproc,
-               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-               master_port=args.master_port, max_restarts=args.max_restarts, timeout_s=cfg.train.timeout_s)
-    except LaunchError as e:
-        if _explain_oom(str(e), cfg, model_cfg, world, per_node):
-            return 1
-        hint = e.hint or (f"the worker's traceback is printed above; `--resume auto --run-dir {run_dir}` "
-                          f"continues from the newest checkpoint")
-        print(f"llmsplit: training failed: {e}\nhint: {hint}", file=sys.stderr)
+        result = train(args.config, args.nproc, args.run_dir, args.resume, overrides=overrides, auto=args.auto,
+                       nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                       master_port=args.master_port, max_restarts=args.max_restarts)
+    except TrainingFailed as e:
+        print(f"llmsplit: training failed: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return 1
-    if run_dir is not None and args.node_rank == 0:  # node 0 holds rank 0, which wrote the summary
-        _plan_check(run_dir, cfg, model_cfg, world, per_node)
-    return 0
-
-
-def _apply_auto(cfg, model_cfg, world: int, per_node: int):
-    """`--auto`: the planner's fastest runnable layout for these devices replaces the config's."""
-    from .plan.api import auto_config
-    from .plan.hardware import local_device
-
-    device = local_device(per_node)
-    cfg, best = auto_config(cfg, model_cfg, world, device)
-    # On a GPU (or under memory.limit_bytes) the workers confirm the micro-batch by trial.
-    cfg.train.confirm_micro_batch = device.kind != "cpu" or cfg.memory.limit_bytes is not None
-    lay = best["layout"]
-    keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
-    if lay["pp"] > 1:
-        keys.insert(4, "pp_schedule")
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"llmsplit: --auto chose {' '.join(f'{k}={lay[k]}' for k in keys)} for {world} × {device.name} "
-              f"(predicted {best['memory_per_device']['total'] / 2**20:.0f} MiB per device, "
-              f"{best['tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
-    return cfg
-
-
-def _explain_oom(message: str, cfg, model_cfg, world: int, per_node: int) -> bool:
-    """A failure that is an out-of-memory stop: print the planner's explanation (True)."""
-    from .train.limits import parse_oom
-
-    failure = parse_oom(message)
-    if failure is None:
-        return False
-    from .diagnose.oom import explain_oom
-    from .plan.hardware import local_device
-
-    report = explain_oom(cfg, model_cfg, world, local_device(per_node), failure)
-    print(f"llmsplit: training failed: {report['text']}\nhint: apply one of the changes above with --set "
-          f"(or raise memory.limit_bytes)", file=sys.stderr)
-    return True
-
-
-def _plan_check(run_dir, cfg, model_cfg, world: int, per_node: int) -> None:
-    """Record the planner's prediction next to what the run measured; warn when they differ."""
-    from .config import load_config
-    from .diagnose.plan_check import check_run
-    from .io.run_dir import CONFIG_FILE
-    from .plan.hardware import local_device
-
-    if cfg.train.confirm_micro_batch:  # --auto's trial may have changed it; the run's config says
-        cfg.train.micro_batch = load_config(Path(run_dir) / CONFIG_FILE).train.micro_batch
-    check = check_run(run_dir, cfg, model_cfg, world, local_device(per_node))
-    for warning in (check or {}).get("warnings", []):
+    for warning in (result.plan_check or {}).get("warnings", []):
         print(f"llmsplit: warning: {warning} (the plan is off for this layout; plan_check in summary.json)",
               file=sys.stderr)
-
-
-def _use_pretrained_sizes(cfg) -> None:
-    """`model.hf`: the model's sizes come from the folder's config.json (explicit size keys
-    would contradict the weights) and, unless one is named, its tokenizer is the folder's."""
-    from dataclasses import fields
-
-    from .config import record_model_sizes
-    from .io.hf import HFWeights
-
-    hf = HFWeights(cfg.model.hf)  # reads only config.json and the safetensors headers
-    for f in fields(cfg.model):
-        if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
-                and getattr(cfg.model, f.name) != getattr(hf.config, f.name):
-            raise ConfigError(f"model.{f.name} cannot be set together with model.hf (the folder's config.json "
-                              f"says {getattr(hf.config, f.name)}); remove model.{f.name}")
-    record_model_sizes(cfg, hf.config)
-    if cfg.data.tokenizer == "byte":
-        cfg.data.tokenizer = str(cfg.model.hf)
+    return 0
 
 
 # ---------------------------------------------------------------- generate

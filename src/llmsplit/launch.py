@@ -3,6 +3,7 @@ and multi-node jobs, or the environment `torchrun` already set up."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -13,11 +14,57 @@ import torch
 
 class LaunchError(RuntimeError):
     """A worker failed (the message names the rank and what it reported), or the nodes
-    did not find each other (`hint` then says how to check the network)."""
+    did not find each other (`hint` then says how to check the network). When the failing
+    worker's exception carried fields (see `worker_entry`), `error_type` names its class
+    and `details` holds them."""
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, error_type: str | None = None,
+                 details: dict | None = None):
         super().__init__(message)
         self.hint = hint
+        self.error_type = error_type
+        self.details = details
+
+
+def worker_entry(fn):
+    """A worker's entry point, wrapped: torch's `record` (the error file torchrun reports
+    from), and an exception with a `details` dict (JSON values) leaves its class name and
+    that dict next to the error file, so that the launching process gets the numbers as data
+    (`LaunchError.error_type` and `.details`) rather than parsing them back out of the
+    message. A worker's return value travels back only when every worker succeeds; its
+    folder in the launcher's log directory is what a failed worker still has. (Not inside
+    the error file: the launcher's own `record` around every worker rewrites that file.)"""
+    from functools import wraps
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    @wraps(fn)
+    def entry(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            error_file, details = os.environ.get("TORCHELASTIC_ERROR_FILE"), getattr(e, "details", None)
+            if error_file and isinstance(details, dict):
+                with open(_details_file(error_file), "w") as f:
+                    json.dump({"type": type(e).__name__, "details": details}, f)
+            raise
+
+    return entry
+
+
+def _details_file(error_file: str) -> str:
+    return os.path.join(os.path.dirname(error_file), "llmsplit_details.json")
+
+
+def _carried(failure) -> dict:
+    """What `worker_entry` left for a failed worker: {"type", "details"}, or {}."""
+    error_file = getattr(failure, "error_file", "")
+    if not os.path.isabs(error_file or "") or not os.path.isfile(_details_file(error_file)):
+        return {}  # no error file ("<N/A>"), or an exception without details
+    path = _details_file(error_file)
+    with open(path) as f:
+        return json.load(f)
 
 
 def check_master_addr(addr: str, port: int | None) -> None:
@@ -166,7 +213,9 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         rank, detail = _root_failure(e.failures)
-        raise LaunchError(f"worker rank {rank} failed: {detail}") from None
+        carried = _carried(e.failures[rank])
+        raise LaunchError(f"worker rank {rank} failed: {detail}", error_type=carried.get("type"),
+                          details=carried.get("details")) from None
     except DistError as e:
         if nnodes == 1:
             raise

@@ -11,10 +11,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from ..launch import worker_entry
 
 
-@record
+@worker_entry
 def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
     """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
     from ..launch import PEER_GONE

@@ -1,28 +1,25 @@
 """Stopping a run that needs more memory than it may have, with the numbers the command
-line needs to explain it (`diagnose/oom.py`).
-
-A worker's exception reaches the launching process only as the last line of its message
-(`LaunchError`), so the measured peak and the limit travel in that line, in a fixed form
-that `parse_oom` reads back.
+line needs to explain it (`diagnose/oom.py`). They travel as fields of the exception
+(`details`), which the worker's error file carries to the launching process
+(`launch.worker_entry`).
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.distributed as dist
 
 from .metrics import peak_memory_bytes
 
-_MARK = "llmsplit out of memory:"
-_FORM = re.compile(_MARK + r" rank (\d+) peaked at (\d+) bytes, over the limit of (\d+) bytes \(([^)]*)\) at (.+)$", re.MULTILINE)
-
 
 class MemoryLimitExceeded(RuntimeError):
+    """`details`: {"rank", "peak_bytes", "limit_bytes", "source", "where"}, what the OOM
+    explainer reads."""
+
     def __init__(self, rank: int, peak: int, limit: int, source: str, where: str):
-        super().__init__(f"{_MARK} rank {rank} peaked at {peak} bytes, over the limit of {limit} bytes ({source}) "
-                         f"at {where}")
+        super().__init__(f"out of memory: rank {rank} peaked at {peak / 2**20:.0f} MiB, over the limit of "
+                         f"{limit / 2**20:.0f} MiB ({source}) at {where}")
+        self.details = {"rank": rank, "peak_bytes": peak, "limit_bytes": limit, "source": source, "where": where}
 
 
 def check_memory_limit(limit: int | None, peaks: list[int], step: int) -> None:
@@ -42,13 +39,3 @@ def from_device_oom(limit: int | None, device: torch.device, where: str) -> Memo
     total = torch.cuda.get_device_properties(device).total_memory
     source = "memory.limit_bytes" if limit is not None else f"{torch.cuda.get_device_name(device)} memory"
     return MemoryLimitExceeded(dist.get_rank(), peak_memory_bytes(device), limit or total, source, where)
-
-
-def parse_oom(message: str) -> dict | None:
-    """{"rank", "peak_bytes", "limit_bytes", "source", "where"} from a failure message, or None."""
-    m = _FORM.search(message)
-    if m is None:
-        return None
-    rank, peak, limit, source, where = m.groups()
-    return {"rank": int(rank), "peak_bytes": int(peak), "limit_bytes": int(limit), "source": source,
-            "where": where.strip()}

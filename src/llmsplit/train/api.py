@@ -1,0 +1,203 @@
+"""The train layer's part of `llmsplit.train` (training.py adds the planner's parts: --auto,
+the plan check, the OOM explanation): a job from a config, refused in one sentence before
+any worker starts when it cannot run, then run on local workers or inside torchrun, with
+what the workers return, or the figures of the one that failed, handed back as data."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..config import Config, ConfigError, load_config, model_config, record_model_sizes, to_toml, validate
+from ..launch import (LaunchError, check_master_addr, default_nproc, launch, start_method, under_torchrun)
+from ..models.llama import LlamaConfig
+
+
+@dataclass
+class Workers:
+    """Where the workers run: `nproc` on this machine (default: one per GPU, 2 on a CPU) ×
+    `nnodes` machines; torchrun's environment, when present, decides instead."""
+    nproc: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+
+
+@dataclass
+class TrainJob:
+    cfg: Config
+    model_cfg: LlamaConfig
+    tokenizer_vocab: int
+    world: int
+    per_node: int  # workers on this machine
+    run_dir: Path | None
+    resume: str
+    resume_from: Path | None  # the checkpoint named, or (after check_job) the newest one for "auto"
+    workers: Workers
+    torchrun: bool
+
+
+@dataclass
+class TrainResult:
+    """What `llmsplit.train` returns. `summary` is summary.json's content, held by the
+    process that ran rank 0 (elsewhere None, and so are the fields read from it);
+    `micro_batch` is the one the run trained with (--auto's trial may have changed it)."""
+    run_dir: Path | None
+    summary: dict | None
+    final_loss: float | None = None
+    micro_batch: int | None = None
+    plan_check: dict | None = None
+    per_rank: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, run_dir: Path | None, summary: dict | None) -> "TrainResult":
+        if summary is None:
+            return cls(run_dir, None)
+        return cls(run_dir, summary, summary["final_loss"], summary["micro_batch"], None, summary["per_rank"])
+
+
+class TrainingFailed(RuntimeError):
+    """A worker failed. `hint` says what to try; `out_of_memory` holds the measured figures
+    ({"rank", "peak_bytes", "limit_bytes", "source", "where"}) when the run stopped for
+    memory, and `explanation` the planner's account of it (`diagnose.oom.explain_oom`)."""
+
+    def __init__(self, message: str, hint: str | None = None, out_of_memory: dict | None = None,
+                 explanation: dict | None = None):
+        super().__init__(message)
+        self.hint = hint
+        self.out_of_memory = out_of_memory
+        self.explanation = explanation
+
+
+def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Path | None, resume: str,
+                workers: Workers) -> TrainJob:
+    """The config loaded and the model sized; `check_job` follows once the layout is final."""
+    from ..data.corpus import check_source
+    from ..io.run_dir import CONFIG_FILE
+    from ..io.tokenizer import load_tokenizer
+
+    torchrun = under_torchrun()
+    run_dir = Path(run_dir) if run_dir else None
+    resume_from = _check_arguments(workers, run_dir, resume, torchrun)
+    overrides = list(overrides)
+    if config is None and resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
+        # Continue a run with its own config; the data-parallel degree follows the new
+        # world size (checkpoints load under any layout) unless an override says otherwise.
+        config, overrides = run_dir / CONFIG_FILE, ["parallel.dp=-1", *overrides]
+    if isinstance(config, Config):  # a copy: the caller's object stays as it was
+        import tomllib
+
+        from ..config import config_from_dict
+
+        cfg = config_from_dict(tomllib.loads(to_toml(config)), overrides)
+    else:
+        cfg = load_config(config, overrides)
+    if cfg.model.hf:
+        _use_pretrained_sizes(cfg)
+    nproc = workers.nproc or default_nproc()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc * workers.nnodes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else nproc
+    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+    check_source(cfg.data.source)
+    return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
+                    torchrun)
+
+
+def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchrun: bool) -> Path | None:
+    """Refuse arguments that cannot work; returns the checkpoint that `resume` names, if any."""
+    from ..io.run_dir import CONFIG_FILE, METRICS_FILE, resolve_checkpoint
+
+    w = workers
+    if w.nproc is not None and w.nproc < 1:
+        raise ConfigError(f"--nproc {w.nproc} must be at least 1")
+    if w.nnodes < 1 or not 0 <= w.node_rank < w.nnodes:
+        raise ConfigError(f"--node-rank {w.node_rank} must be between 0 and --nnodes - 1 = {w.nnodes - 1}")
+    if w.nnodes > 1 and w.master_port is None:
+        raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
+    if w.nnodes > 1 and not torchrun:
+        check_master_addr(w.master_addr, w.master_port)
+    if w.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
+    if resume == "auto" and run_dir is None:
+        raise ConfigError("--resume auto needs --run-dir (the run to continue)")
+    # A damaged or missing checkpoint is refused here, before any worker starts.
+    resume_from = resolve_checkpoint(resume)[1] if resume not in ("auto", "none") else None
+    if run_dir is not None and resume == "none" and any((run_dir / f).exists() for f in (CONFIG_FILE, METRICS_FILE)):
+        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
+                          f"or choose another --run-dir")
+    return resume_from
+
+
+def _use_pretrained_sizes(cfg: Config) -> None:
+    """`model.hf`: the model's sizes come from the folder's config.json (explicit size keys
+    would contradict the weights) and, unless one is named, its tokenizer is the folder's."""
+    from ..io.hf import HFWeights
+
+    hf = HFWeights(cfg.model.hf)  # reads only config.json and the safetensors headers
+    for f in fields(cfg.model):
+        if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
+                and getattr(cfg.model, f.name) != getattr(hf.config, f.name):
+            raise ConfigError(f"model.{f.name} cannot be set together with model.hf (the folder's config.json "
+                              f"says {getattr(hf.config, f.name)}); remove model.{f.name}")
+    record_model_sizes(cfg, hf.config)
+    if cfg.data.tokenizer == "byte":
+        cfg.data.tokenizer = str(cfg.model.hf)
+
+
+def check_job(job: TrainJob) -> None:
+    """Everything that can be refused before a worker starts, on the final layout; fills in
+    the derived values (parallel.dp, the model's sizes) that the workers read."""
+    from ..io.run_dir import checkpoint_dir, newest_checkpoint
+
+    validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
+    record_model_sizes(job.cfg, job.model_cfg)
+    if job.resume == "auto":  # the workers warn about the checkpoints skipped
+        job.resume_from = newest_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
+    if job.resume_from is not None:
+        from .checkpoint import check_fits
+
+        check_fits(job.resume_from, job.model_cfg)
+
+
+def run_job(job: TrainJob) -> TrainResult:
+    """Run the checked job: inside torchrun this process is one of the workers; otherwise
+    it starts this machine's workers and waits for them. Raises TrainingFailed."""
+    from .entry import default_run_dir, run_worker
+    from .limits import MemoryLimitExceeded
+
+    cfg, w = job.cfg, job.workers
+    config_text = to_toml(cfg)
+    if job.torchrun:
+        # Every rank proposes a run folder and rank 0's is taken, so rank 0 knows where it is.
+        run_dir = job.run_dir or default_run_dir(cfg.model.preset)
+        try:
+            summary = run_worker(config_text, str(run_dir), job.resume)
+        except MemoryLimitExceeded as e:
+            raise TrainingFailed(str(e), out_of_memory=e.details) from None
+        return TrainResult.of(run_dir if summary is not None else job.run_dir, summary)
+    run_dir = job.run_dir or (default_run_dir(cfg.model.preset) if w.nnodes == 1 else None)
+    nproc = w.nproc or default_nproc()
+    if nproc > 1 and start_method() == "fork":
+        # Forked workers inherit what is imported here: import the trainer (DTensor, DCP:
+        # ~2 s) once, not once per worker on the same cores.
+        importlib.import_module("llmsplit.train.trainer")
+    print(f"llmsplit: training on {job.world} worker(s) ({nproc} on this machine); run dir "
+          f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
+    try:
+        returned = launch(run_worker, (config_text, str(run_dir) if run_dir else None, job.resume), nproc=nproc,
+                          nnodes=w.nnodes, node_rank=w.node_rank, master_addr=w.master_addr,
+                          master_port=w.master_port, max_restarts=w.max_restarts, timeout_s=cfg.train.timeout_s)
+    except LaunchError as e:
+        if e.error_type == MemoryLimitExceeded.__name__:
+            raise TrainingFailed(str(e), out_of_memory=e.details) from None
+        hint = e.hint or (f"the worker's traceback is printed above; `--resume auto --run-dir {run_dir}` "
+                          f"continues from the newest checkpoint")
+        raise TrainingFailed(str(e), hint) from None
+    return TrainResult.of(run_dir, returned.get(0))  # global rank 0's summary, on node 0

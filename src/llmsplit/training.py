@@ -1,0 +1,89 @@
+"""`llmsplit.train(config, ...)`: train on local workers (or as one rank inside torchrun) and
+get the run back as a `TrainResult`. It sits above the layers because it joins the trainer
+(train/api.py, which never imports the planner) with the planner: `auto=True` runs the
+planner's layout, a finished run records the plan check, and a run stopped for memory
+comes back as a TrainingFailed that carries the planner's explanation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .config import Config
+from .train.api import TrainJob, TrainResult, TrainingFailed, Workers, check_job, prepare_job, run_job
+
+__all__ = ["TrainResult", "TrainingFailed", "train"]
+
+OOM_HINT = "apply one of the changes above with --set (or raise memory.limit_bytes)"
+
+
+def train(config: str | Path | Config | None = None, nproc: int | None = None, run_dir: str | Path | None = None,
+          resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int = 1, node_rank: int = 0,
+          master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0) -> TrainResult:
+    """Train as `config` says (a .toml path, a Config, or None for the built-in defaults),
+    with `overrides` ("KEY=VALUE", as `--set`) on top. `resume`: "none", "auto" (the newest
+    checkpoint in `run_dir`) or a run folder or checkpoint. Raises ConfigError before any
+    worker starts when the run cannot work, TrainingFailed when a worker fails."""
+    job = prepare_job(config, overrides, run_dir, resume,
+                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts))
+    if auto:
+        _apply_auto(job)
+    check_job(job)
+    try:
+        result = run_job(job)
+    except TrainingFailed as e:
+        # Inside torchrun every rank stops; rank 0 explains for all of them.
+        if e.out_of_memory is None or (job.torchrun and int(os.environ["RANK"]) != 0):
+            raise
+        report = _explain_oom(job, e.out_of_memory)
+        raise TrainingFailed(report["text"], OOM_HINT, e.out_of_memory, report) from None
+    if result.summary is not None and result.run_dir is not None:
+        result.plan_check = _plan_check(job, result)
+    return result
+
+
+def _local_device(job: TrainJob):
+    from .plan.hardware import local_device
+
+    return local_device(job.per_node)
+
+
+def _apply_auto(job: TrainJob) -> None:
+    """`auto`: the planner's fastest runnable layout for these devices replaces the config's."""
+    from .plan.api import auto_config
+
+    device = _local_device(job)
+    cfg, best = auto_config(job.cfg, job.model_cfg, job.world, device)
+    # On a GPU (or under memory.limit_bytes) the workers confirm the micro-batch by trial.
+    cfg.train.confirm_micro_batch = device.kind != "cpu" or cfg.memory.limit_bytes is not None
+    lay = best["layout"]
+    keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
+    if lay["pp"] > 1:
+        keys.insert(4, "pp_schedule")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"llmsplit: --auto chose {' '.join(f'{k}={lay[k]}' for k in keys)} for {job.world} × {device.name} "
+              f"(predicted {best['memory_per_device']['total'] / 2**20:.0f} MiB per device, "
+              f"{best['tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
+    job.cfg = cfg
+
+
+def _explain_oom(job: TrainJob, failure: dict) -> dict:
+    """The planner's breakdown of the layout against what the run measured, and the
+    changes that fit (`diagnose.oom.explain_oom`)."""
+    from .diagnose.oom import explain_oom
+
+    return explain_oom(job.cfg, job.model_cfg, job.world, _local_device(job), failure)
+
+
+def _plan_check(job: TrainJob, result: TrainResult) -> dict | None:
+    """The planner's prediction next to what the run measured, added to summary.json and
+    to the result."""
+    from .diagnose.plan_check import check_run
+
+    job.cfg.train.micro_batch = result.micro_batch  # what ran: --auto's trial may have changed it
+    check = check_run(result.run_dir, job.cfg, job.model_cfg, job.world, _local_device(job))
+    if check is not None:
+        result.summary["plan_check"] = check
+    return check
