@@ -46,7 +46,7 @@ def run_one(lay: dict, dry: bool, run_dir: Path) -> dict:
     from llmsplit.io.tokenizer import load_tokenizer
     from llmsplit.launch import free_port
     from llmsplit.plan.cost import model_flops_per_token
-    from llmsplit.plan.hardware import local_device
+    from llmsplit.diagnose.probe import local_device
     from llmsplit.train.trainer import train_worker
 
     steps = WARMUP + (2 if dry else 5)

@@ -6,6 +6,7 @@ import pytest
 from llmsplit.diagnose.oom import explain_infer_oom
 from llmsplit.infer.placement import Sizes
 from llmsplit.models.llama import LlamaConfig
+from llmsplit.diagnose import probe
 from llmsplit.plan import hardware
 
 GiB = 1 << 30
@@ -24,7 +25,7 @@ def _split_suggestions(n_kv_heads: int, gpus: int) -> list[list[str]]:
 
 @pytest.fixture(autouse=True)
 def h100(monkeypatch):
-    monkeypatch.setattr(hardware, "local_device", lambda n: hardware.get_device("H100-80GB"))
+    monkeypatch.setattr(probe, "local_device", lambda n: hardware.get_device("H100-80GB"))
 
 
 def test_two_gpus_offer_tp_and_pp_one_gpu_neither():

@@ -10,7 +10,7 @@ from helpers import run_cli
 from llmsplit.config import load_config, model_config, validate
 from llmsplit.diagnose.oom import explain_oom, set_args
 from llmsplit.config import layout_of
-from llmsplit.plan.hardware import get_device
+from llmsplit.diagnose.probe import local_cpu
 from llmsplit.layout import Layout
 from llmsplit.train.limits import MemoryLimitExceeded
 
@@ -84,13 +84,13 @@ def test_suggestions_fit_the_limit_and_scale_with_the_measurement(tmp_path):
     validate(cfg, 2, model_cfg, 258)
     failure = {"rank": 0, "peak_bytes": 760 * 2**20, "limit_bytes": LIMIT, "source": "memory.limit_bytes",
                "where": "step 1"}
-    report = explain_oom(cfg, model_cfg, 2, get_device("cpu", 2), failure)
+    report = explain_oom(cfg, model_cfg, 2, local_cpu(2), failure)
     assert 1 <= len(report["suggestions"]) <= 3
     # Calibrated by what the run measured, the planner agrees that the layout does not fit.
     assert report["breakdown"]["total"] * report["scale"] > LIMIT
     assert "params" in report["text"] and "--set " in report["text"]
     # A run that measured far more than predicted leaves fewer (or no) changes that still fit.
-    worse = explain_oom(cfg, model_cfg, 2, get_device("cpu", 2), {**failure, "peak_bytes": 1400 * 2**20})
+    worse = explain_oom(cfg, model_cfg, 2, local_cpu(2), {**failure, "peak_bytes": 1400 * 2**20})
     assert len(worse["suggestions"]) < len(report["suggestions"]) or not worse["suggestions"]
     assert worse["scale"] > report["scale"] >= 1.0
     assert layout_of(cfg, 2).dp == 2

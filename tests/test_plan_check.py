@@ -10,7 +10,13 @@ from helpers import TINY, train
 from llmsplit.config import load_config, model_config
 from llmsplit.diagnose.plan_check import compare
 from llmsplit.plan.api import auto_config
-from llmsplit.plan.hardware import CATALOGUE, get_device, local_device
+from llmsplit.diagnose.probe import local_cpu, local_device
+from llmsplit.plan.hardware import CATALOGUE, cpu_device
+
+
+# A 2-core machine's measured numbers as diagnose.probe.measure_cpu records them.
+MEASURED = {"cores": 2, "mem_total_bytes": 24 << 30, "matmul_flops_per_core": {"fp32": 1.9e11, "bf16": 1.4e12},
+            "copy_bytes_per_s": 1.6e10, "loopback_bytes_per_s": 2.6e9, "baseline_process_bytes": 300 << 20}
 
 
 def _summary(state, peak):
@@ -25,7 +31,7 @@ def _prediction(state, total):
 
 
 def test_compare_takes_the_fullest_rank_and_warns_beyond_25_percent():
-    cpu = get_device("cpu", 2)
+    cpu = cpu_device(MEASURED, 2)
     close = compare(_summary(400, 1100), _prediction(400, 1000), cpu, "none")
     assert close["measured_model_state_bytes"] == 400 and close["measured_peak_bytes"] == 1100
     assert close["ratio_peak"] == pytest.approx(1.1) and close["warnings"] == []
@@ -58,7 +64,7 @@ def test_auto_runs_the_planners_layout_and_confirms_the_micro_batch_by_trial(tmp
     limit = ("--set", f"memory.limit_bytes={4 << 30}")
     proc = train(tmp_path / "run", *TINY, nproc=2, extra=("--auto", *limit), timeout=240)
     cfg = load_config(None, [*TINY, f"memory.limit_bytes={4 << 30}"])
-    want, best = auto_config(cfg, model_config(cfg, 258), 2, get_device("cpu", 2))
+    want, best = auto_config(cfg, model_config(cfg, 258), 2, local_cpu(2))
     assert "--auto chose" in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for key in ("dp", "zero", "tp", "pp"):

@@ -7,6 +7,7 @@ import pytest
 
 from helpers import MEDIUM_TOML, run_cli
 from llmsplit.config import load_config, model_config, validate
+from llmsplit.diagnose.probe import local_cpu
 from llmsplit.plan.api import predict_for_config
 
 
@@ -22,7 +23,7 @@ def test_prediction_matches_a_real_run(tmp_path, parallel):
     model_cfg = model_config(cfg, 258)
     validate(cfg, 2, model_cfg, 258)
     assert 20e6 < model_cfg.num_params() < 30e6
-    pred = predict_for_config(cfg, model_cfg, 2, gpu="cpu")
+    pred = predict_for_config(cfg, model_cfg, 2, local_cpu(2))
     for rank in summary["per_rank"]:
         measured_state = rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
         assert pred["model_state_bytes"] == pytest.approx(measured_state, rel=0.03)

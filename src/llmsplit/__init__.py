@@ -41,6 +41,11 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
         from .io.tokenizer import load_tokenizer
 
         options["tokenizer_vocab"] = load_tokenizer(load_config(model).data.tokenizer).vocab_size
+    if isinstance(gpu, str) and gpu.lower() == "cpu" and "cpu_measured" not in options:
+        # The planner is pure; this machine's CPU is measured here (once, then cached).
+        from .diagnose.probe import measure_cpu
+
+        options["cpu_measured"] = measure_cpu()
     if emit_config:
         return _emit(model, gpus, gpu, emit_config, **options)[1]
     return plan_report(model, gpus, gpu, **options)

@@ -45,7 +45,7 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
 
 
 def _local_device(job: TrainJob):
-    from .plan.hardware import local_device
+    from .diagnose.probe import local_device
 
     return local_device(job.per_node)
 

@@ -294,7 +294,7 @@ def _split_changes(cfg: LlamaConfig, sizes, budgets: dict, scale: float, gpus: i
     accel_budgets = [v for d, v in budgets.items() if kind(d) not in ("cpu", "disk") and v is not None]
     if gpus <= 1 or not accel_budgets:
         return []
-    from ..plan.hardware import local_device
+    from .probe import local_device
     from ..layout import Layout, Workload
     from ..plan.memory import inference_memory
 

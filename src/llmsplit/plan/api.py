@@ -44,10 +44,12 @@ def _hf_folder_config(folder) -> LlamaConfig:
         raise ConfigError(str(e)) from None
 
 
-def plan_report(model, gpus: int, gpu: str = "H100-80GB", nodes: int | None = None, seq_len: int | None = None,
-                global_batch: int | None = None, mode: str = "train", layout: str | Layout | None = None,
-                top: int = 5, precision: str | None = None, tokenizer_vocab: int | None = None) -> dict:
-    """Everything `llmsplit plan` prints, as one JSON-ready dict (best layout first)."""
+def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | None = None,
+                seq_len: int | None = None, global_batch: int | None = None, mode: str = "train",
+                layout: str | Layout | None = None, top: int = 5, precision: str | None = None,
+                tokenizer_vocab: int | None = None, cpu_measured: dict | None = None) -> dict:
+    """Everything `llmsplit plan` prints, as one JSON-ready dict (best layout first).
+    `gpu="cpu"` needs `cpu_measured`, the machine's numbers (`diagnose.probe.measure_cpu()`)."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
     if top < 1:
@@ -58,7 +60,7 @@ def plan_report(model, gpus: int, gpu: str = "H100-80GB", nodes: int | None = No
         raise ConfigError(f"--nodes {nodes} must be at least 1 and divide --gpus {gpus}")
     cfg_model, name, source = resolve_model(model, tokenizer_vocab)
     per_node = gpus // nodes if nodes else None
-    device = get_device(gpu, workers_per_node=per_node or gpus)
+    device = get_device(gpu, workers_per_node=per_node or gpus, cpu_measured=cpu_measured)
     if per_node is None:
         per_node = min(gpus, device.gpus_per_node)
     device = replace(device, gpus_per_node=per_node) if device.kind != "cpu" else device
@@ -172,14 +174,13 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
 
 # ---------------------------------------------------------------- the trainer's self-check
 
-def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, gpu: str | Device = "cpu",
-                       workers_per_node: int | None = None) -> dict:
-    """The plan's prediction for one resolved training config: memory per device term by
-    term (the fullest pipeline stage), step time, tokens/s and MFU. For `llmsplit train`
-    to record next to what it measured."""
+def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: Device) -> dict:
+    """The plan's prediction for one resolved training config on `device` (for the local
+    machine: `diagnose.probe.local_device`): memory per device term by term (the fullest
+    pipeline stage), step time, tokens/s and MFU. For `llmsplit train` to record next to
+    what it measured."""
     layout, work = layout_of(cfg, world_size), workload_of(cfg)
     check(model_cfg, layout, work, world_size)
-    device = get_device(gpu, workers_per_node=workers_per_node or world_size)
     cand = evaluate(model_cfg, layout, work, device)
     mem_bd = cand.memory
     return {"gpu": device.name, "layout": layout.to_dict(), "fits": cand.fits,

@@ -2,27 +2,18 @@
 
 GPU figures are dense (no 2:4 sparsity) vendor peaks; the cost model applies its own
 efficiency on top. Link figures are per GPU and per direction, which is what a ring
-collective's bandwidth term uses. The `cpu` device is measured on this machine (matmul
-FLOP/s per core, copy bandwidth, loopback TCP bandwidth for gloo, and the resident memory
-of a process that has torch loaded and ran one distributed step) and cached, because the
-planner's CPU predictions are checked against real runs on this same machine.
+collective's bandwidth term uses. The `cpu` device is built from numbers measured on the
+machine (matmul FLOP/s per core, copy bandwidth, loopback TCP bandwidth for gloo, the
+resident memory of a process that has torch loaded and ran one distributed step), handed
+in by the caller: `llmsplit.diagnose.probe` measures them. Nothing here times or spawns
+anything, so a plan is a function of its inputs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
-import socket
-import subprocess
-import sys
-import threading
-import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 GiB = 1024 ** 3
 GB = 1e9
@@ -85,47 +76,45 @@ def known_devices() -> list[str]:
     return [*CATALOGUE, "cpu"]
 
 
-def get_device(name: str | Device, workers_per_node: int = 1) -> Device:
-    """A catalogue entry, or the measured CPU with its memory shared by the local workers
-    (a Device is taken as it is: `local_device` builds one for an unlisted GPU)."""
+def get_device(name: str | Device, workers_per_node: int = 1, cpu_measured: dict | None = None) -> Device:
+    """A catalogue entry, or `cpu` built from `cpu_measured` (this machine's numbers, from
+    `llmsplit.diagnose.probe.measure_cpu`) with its memory shared by the local workers. A
+    Device is taken as it is (`diagnose.probe.local_device` builds one for an unlisted GPU)."""
     if isinstance(name, Device):
         return name
     if name.lower() == "cpu":
-        return cpu_device(workers_per_node)
+        if cpu_measured is None:
+            raise ConfigError("--gpu cpu needs this machine's measured numbers: call llmsplit.plan(...), which "
+                              "measures them, or pass cpu_measured=llmsplit.diagnose.probe.measure_cpu()")
+        return cpu_device(cpu_measured, workers_per_node)
     for key, dev in CATALOGUE.items():
         if key.lower() == name.lower():
             return dev
     raise ConfigError(f"--gpu {name!r} is not a known device; known: {', '.join(known_devices())}")
 
 
-def local_device(workers_per_node: int = 1) -> Device:
-    """The device this machine trains on: `cpu` without CUDA; with CUDA the catalogue entry
-    named like torch's device name (e.g. "NVIDIA H100 80GB HBM3" → H100-80GB) and closest in
-    memory, or, for a GPU the catalogue does not list, the entry closest in memory with
-    this GPU's name and measured memory."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return cpu_device(workers_per_node)
-    props = torch.cuda.get_device_properties(0)
-    total, label = props.total_memory, props.name.upper().replace(" ", "")
+def nearest_catalogue_device(label: str, total_memory: int) -> Device:
+    """The catalogue entry for a GPU that torch names `label` with `total_memory` bytes:
+    the entry whose name appears in the label (e.g. "NVIDIA H100 80GB HBM3" → H100-80GB)
+    closest in memory, or, for a GPU the catalogue does not list, the entry closest in
+    memory with this GPU's name and memory."""
+    squeezed = label.upper().replace(" ", "")
 
     def distance(dev: Device) -> float:
-        return abs(dev.memory_bytes - total)
+        return abs(dev.memory_bytes - total_memory)
 
-    named = [d for d in CATALOGUE.values() if d.name.split("-")[0].upper() in label]
+    named = [d for d in CATALOGUE.values() if d.name.split("-")[0].upper() in squeezed]
     if named:
         return min(named, key=distance)
     nearest = min(CATALOGUE.values(), key=distance)
-    return replace(nearest, name=props.name, memory_bytes=total)
+    return replace(nearest, name=label, memory_bytes=total_memory)
 
 
-# ---------------------------------------------------------------- the measured CPU
-
-def cpu_device(workers_per_node: int = 1) -> Device:
-    """This machine as `workers_per_node` gloo workers, each with cores/workers threads
-    (the share llmsplit's launcher gives them) and 1/workers of the RAM."""
-    m = measure_cpu()
+def cpu_device(measured: dict, workers_per_node: int = 1) -> Device:
+    """A machine measured as `measured` (see `diagnose.probe.measure_cpu` for the keys) run
+    as `workers_per_node` gloo workers, each with cores/workers threads (the share
+    llmsplit's launcher gives them) and 1/workers of the RAM."""
+    m = measured
     workers = max(1, workers_per_node)
     threads = max(1, m["cores"] // workers)
     per_core = m["matmul_flops_per_core"]
@@ -137,148 +126,6 @@ def cpu_device(workers_per_node: int = 1) -> Device:
         host_bw=m["copy_bytes_per_s"], gpus_per_node=workers, host_memory_bytes=m["mem_total_bytes"],
         runtime_bytes=m["baseline_process_bytes"],
         # The measured matmul rate is already what is achieved, not a datasheet peak.
+        # Allocator behaviour on a CPU is not a fraction of the tensors: memory.py counts
+        # the heap it keeps (cpu_retained_heap_bytes).
         alloc_slack=0.0, matmul_efficiency=1.0, kind="cpu", measured=m, node_size=workers)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmsplit"
-
-
-def _machine_key() -> str:
-    import torch
-
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    except OSError:
-        pass
-    text = f"{platform.node()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{sys.version_info[:2]}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def measure_cpu(refresh: bool = False) -> dict:
-    """Measured once per machine and torch version, then read from ~/.cache/llmsplit."""
-    path = cache_dir() / f"cpu-{_machine_key()}.json"
-    if not refresh and path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass  # a torn or foreign file: measure again
-    m = {"cores": os.cpu_count() or 1, "mem_total_bytes": _mem_total(),
-         "matmul_flops_per_core": {"fp32": _matmul_rate("fp32"), "bf16": _matmul_rate("bf16")},
-         "copy_bytes_per_s": _copy_rate(), "loopback_bytes_per_s": _loopback_rate(),
-         "baseline_process_bytes": _baseline_process_bytes(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(m, indent=1))
-        tmp.replace(path)  # atomic: concurrent planners never read half a file
-    except OSError:
-        pass
-    return m
-
-
-def _mem_total() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
-
-
-def _best_rate(fn, work: float, seconds: float = 0.15) -> float:
-    """Best of several timed repeats: the machine is shared, the best run is the truest."""
-    fn()  # warm-up (allocations, kernel selection)
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return work / best
-
-
-def _matmul_rate(precision: str) -> float:
-    import torch
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    n = 512
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # per core; workers get cores/workers threads each
-    try:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        return _best_rate(lambda: a @ b, 2 * n ** 3)
-    finally:
-        torch.set_num_threads(old)
-
-
-def _copy_rate() -> float:
-    import torch
-
-    src = torch.ones(16 * 1024 * 1024)  # 64 MiB: well past the caches
-    dst = torch.empty_like(src)
-    return _best_rate(lambda: dst.copy_(src), 2 * src.numel() * 4)  # read + write
-
-
-def _loopback_rate() -> float:
-    """TCP over 127.0.0.1, the path gloo's collectives take between local workers."""
-    size, chunk = 64 * 1024 * 1024, 1024 * 1024
-    payload = b"\0" * chunk
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-
-        def send():
-            with socket.create_connection(server.getsockname()) as c:
-                for _ in range(size // chunk):
-                    c.sendall(payload)
-
-        sender = threading.Thread(target=send, daemon=True)
-        t0 = time.perf_counter()
-        sender.start()
-        conn, _ = server.accept()
-        with conn:
-            got = 0
-            while got < size:
-                data = conn.recv(chunk)
-                if not data:
-                    break
-                got += len(data)
-        elapsed = time.perf_counter() - t0
-        sender.join()
-    return got / elapsed
-
-
-_BASELINE_SCRIPT = r"""
-import os, tempfile, torch, torch.distributed as dist
-torch.set_num_threads(1)
-store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-opt = torch.optim.AdamW(m.parameters())
-x = torch.randn(8, 64)
-for _ in range(2):
-    torch.nn.functional.cross_entropy(m(x).float(), torch.zeros(8, dtype=torch.long)).backward()
-    opt.step()
-    opt.zero_grad()
-dist.barrier()
-print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
-dist.destroy_process_group()
-"""
-
-
-def _baseline_process_bytes() -> int:
-    """Peak resident size of a worker that loaded torch, joined a gloo group and ran a
-    tiny DDP step: what every CPU worker pays before its first tensor."""
-    try:
-        out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        return int(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-        return 400 * 1024 * 1024  # typical for torch 2.x when the probe cannot run
-
-
-def with_nodes(dev: Device, gpus_per_node: int) -> Device:
-    return replace(dev, gpus_per_node=gpus_per_node)
