@@ -24,10 +24,15 @@ def reference(tmp_path_factory):
 def test_run_files_follow_the_spec(reference):
     metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((reference / "summary.json").read_text())
+    # TINY by hand: 2 layers of 36,992 parameters (wq, wo 64·64; wk, wv 32·64; w1, w2, w3
+    # 3·64·128; two norms of 64), embedding and head 2·264·64, the final norm 64.
+    assert summary["params"] == 2 * 36_992 + 2 * 264 * 64 + 64 == 107_840
     for m in metrics:
         assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(m)
-        assert m["peak_mem_bytes"] > 0 and m["tokens_per_s"] > 0
-    summary = json.loads((reference / "summary.json").read_text())
+        assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * 32)  # global batch × seq_len
+        # The peak holds at least the model state: fp32 weights, gradients and two Adam moments.
+        assert m["peak_mem_bytes"] >= 16 * 107_840
     assert summary["world_size"] == 1 and summary["steps"] == 6
     assert summary["layout"] == {"dp": 1, "dp_replicate": 1, "zero": 0, "tp": 1, "pp": 1, "pp_schedule": "1f1b",
                                  "activation_checkpoint": "none", "offload": "none"}
