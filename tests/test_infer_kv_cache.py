@@ -22,7 +22,10 @@ def test_blocks_are_returned_and_waste_is_small():
             pool.append(i, 1)
     allocated, used = pool.usage()
     assert used == sum(lengths.values())
-    assert (allocated - used) / allocated < 0.04, (allocated, used)
+    # Each sequence holds whole blocks of 16 and no more: at most 15 slots of waste each
+    # (40 · 15 = 600 of the 36,530 tokens here, under 2%).
+    assert allocated == sum(-(-n // 16) * 16 for n in lengths.values())
+    assert (allocated - used) / allocated < 0.02, (allocated, used)
     for i in lengths:
         pool.free(i)
     assert pool.free_blocks == pool.num_blocks and pool.usage() == (0, 0)
