@@ -11,8 +11,9 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..config import Config, ConfigError, load_config, model_config, record_model_sizes, to_toml, validate
-from ..launch import (LaunchError, check_master_addr, default_nproc, launch, start_method, under_torchrun)
+from ..config import Config, load_config, model_config, record_model_sizes, to_toml, validate
+from ..errors import ConfigError
+from ..launch import LaunchError, check_master_addr, default_nproc, launch, start_method, under_torchrun
 from ..models.llama import LlamaConfig
 
 
