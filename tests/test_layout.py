@@ -154,9 +154,9 @@ def test_accepted_layouts_split_every_layer_once_as_training_and_inference_do(tr
         assert got == [[f"layers.{i}" for i in s] for s in stage_layers(model, Layout(pp=layout.pp))]
 
 
-def _runs_unchecked(tmp_path: Path, sets: list[str]) -> str:
+def _runs_unchecked(tmp_path: Path, sets: list[str], nproc: int = WORLD) -> str:
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "unchecked_run.py"), str(tmp_path / "run"),
-                           *sets], capture_output=True, text=True, timeout=240)
+                           "--nproc", str(nproc), *sets], capture_output=True, text=True, timeout=240)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return lines[-1]
@@ -177,3 +177,14 @@ def test_check_refuses_exactly_the_layouts_that_fail_on_two_gloo_workers(tmp_pat
     verdict = _verdict(lambda: check(model, layout, work, WORLD))
     outcome = _runs_unchecked(tmp_path_factory.mktemp("run"), _sets(model, layout, work))
     assert (verdict is None) == (outcome == "ran"), (verdict, outcome)
+
+
+@pytest.mark.slow
+def test_zero_1_with_tensor_parallel_is_refused_because_it_fails(tmp_path):
+    """Found while reshaping the trainer: dp 2 × tp 2 × zero 1 passed validation, then every
+    rank failed at its first optimizer step (ZeroRedundancyOptimizer broadcasts DTensors)."""
+    model = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, ffn_dim=128, max_seq_len=64)
+    layout, work = Layout(dp=2, tp=2, zero=1, micro_batch=2), Workload(32, 8, "fp32")
+    assert "parallel.zero=1 does not combine with parallel.tp=2" in _verdict(lambda: check(model, layout, work, 4))
+    outcome = _runs_unchecked(tmp_path, _sets(model, layout, work), nproc=4)
+    assert outcome.startswith("failed:") and "sharding strategy" in outcome, outcome

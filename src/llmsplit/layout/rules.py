@@ -108,6 +108,11 @@ def _check_data_parallel(layout: Layout) -> None:
         raise ConfigError(f"parallel.dp={layout.dp} is not divisible by parallel.dp_replicate={layout.dp_replicate}")
     if layout.dp_replicate > 1 and layout.zero < 2:
         raise ConfigError(f"parallel.dp_replicate={layout.dp_replicate} (hybrid sharding) needs parallel.zero=2 or 3")
+    if layout.zero == 1 and layout.tp > 1:
+        # ZeroRedundancyOptimizer broadcasts each updated parameter with c10d, which has no
+        # sharding rule for tensor parallel's DTensors (NotImplementedError at the first step).
+        raise ConfigError(f"parallel.zero=1 does not combine with parallel.tp={layout.tp}; use parallel.zero=2 "
+                          f"(FSDP also shards only gradients and optimizer state between steps) or 0")
     if layout.offload == "cpu" and layout.zero < 2:
         raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
                           f"not {layout.zero}")
