@@ -6,10 +6,7 @@ Exit status: 0 success, 2 bad usage or invalid config (one sentence, no tracebac
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
-from pathlib import Path
 
 from .cli_args import build_parser
 from .config import ConfigError

@@ -100,7 +100,7 @@ def suggestions(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device,
 
 
 def explain_oom(cfg: Config, model_cfg: LlamaConfig, world: int, device: Device, failure: dict) -> dict:
-    """`failure` as `train.limits.parse_oom` reads it. Returns {"text": what to print,
+    """`failure`: a worker's `MemoryLimitExceeded.details` (or a CUDA OOM's figures). Returns {"text": what to print,
     "breakdown", "scale", "suggestions": [[--set items], ...]}."""
     dev = budget_device(device, failure)
     base, work = layout_of(cfg, world), workload_of(cfg)
