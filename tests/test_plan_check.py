@@ -1,17 +1,25 @@
 """The planner against every run (summary.json's plan_check, a warning beyond 25%), and
 `llmsplit train --auto`, which runs the layout the planner picks for the local devices."""
 
+import collections
+import gc
 import json
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from helpers import TINY, train
 from llmsplit.config import load_config, model_config
+from llmsplit.layout import Layout, Workload
+from llmsplit.models.llama import LlamaConfig, TransformerBlock, rope_tables
 from llmsplit.diagnose.plan_check import compare
 from llmsplit.plan.api import auto_config
 from llmsplit.diagnose.probe import local_cpu, local_device
 from llmsplit.plan.hardware import CATALOGUE, cpu_device
+from llmsplit.plan.memory import cpu_retained_heap_bytes, layer_saved_tensors, training_memory
 
 
 # A 2-core machine's measured numbers as diagnose.probe.measure_cpu records them.
@@ -101,3 +109,75 @@ def test_micro_batch_search_goes_up_from_the_prediction_and_down_when_it_does_no
     tried.clear()
     assert search(12, options, fits_up_to(12)) == 12 and tried == [12]
     assert search(4, options, fits_up_to(0)) is None
+
+
+class _Storages(TorchDispatchMode):
+    """Every storage an op creates, held weakly, with its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
+def test_saved_tensors_and_the_heap_they_leave_are_what_a_block_allocates():
+    """Each tensor a block's forward leaves for backward, by size: the planner's list of
+    them, and the part of them below glibc's 4 MiB mmap threshold (what the heap keeps).
+    At 4096 tokens of dim 128 the ffn-wide tensors (5.5 MiB) get their own mappings."""
+    cfg = LlamaConfig(n_layers=1, vocab_size=64, max_seq_len=4096, dim=128, n_heads=8, n_kv_heads=2, ffn_dim=352)
+    b, s = 1, 4096
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg, 0)
+    cos, sin = rope_tables(cfg.head_dim, s, 1e4)
+    leaf = torch.randn(b, s, cfg.dim, requires_grad=True)
+    mode = _Storages()
+    with mode:
+        x = leaf * 1.0  # the block input as an op output: alive later only if something keeps it
+        y = block(x, cos, sin)
+    del x
+    gc.collect()
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin, y)}
+    alive = [n for ptr, (ref, n) in mode.made.items() if not ref.expired() and ptr not in skip]
+    planned = [int(row * b * s) for count, row in layer_saved_tensors(cfg, s, Layout(), "fp32") for _ in range(count)]
+    assert collections.Counter(planned) == collections.Counter(alive)
+    assert cpu_retained_heap_bytes(cfg, b, s, Layout(), "fp32", 1) == sum(n for n in alive if n < 4 << 20)
+
+
+def test_zero_3_with_accumulation_peaks_before_the_sharded_gradients_exist():
+    """FSDP2 accumulates micro-batches in unsharded gradients and makes the sharded ones in
+    the last backward only: at the peak (the start of that backward) they do not exist yet.
+    DDP makes them in the first backward: with 2 micro-batches they exist at the peak."""
+    cfg = LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=264, ffn_dim=1376, max_seq_len=256)
+    work = Workload(seq_len=256, global_batch=8, precision="fp32")
+    cpu = cpu_device(MEASURED, 2)
+    zero3 = training_memory(cfg, Layout(dp=2, zero=3, micro_batch=2), work, cpu)
+    ddp = training_memory(cfg, Layout(dp=2, zero=0, micro_batch=2), work, cpu)
+    assert zero3.detail["microbatches"] == 2
+    assert zero3.detail["grads_absent_at_peak"] == zero3.grads > 0
+    assert ddp.detail["grads_absent_at_peak"] == 0
+
+
+# Issue 16's model: 512 wide, 8 layers, seq 256, micro-batch 2 on 2 workers (2 micro-batches).
+ISSUE_MODEL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=1376",
+               "data.seq_len=256", "train.micro_batch=2", "train.global_batch=8", "train.steps=3",
+               "train.warmup_steps=1", "checkpoint.every=0"]
+
+
+@pytest.mark.slow
+def test_cpu_peak_prediction_is_within_25_percent_for_zero_3(tmp_path):
+    """The worst of issue 16's three cases: measured 1.23-1.25x the prediction on this
+    2-core VM, 1.41x where the issue was filed, before the planner counted the heap glibc
+    keeps and the sharded gradients zero 3 does not hold at the peak (now ~1.08x). Three
+    steps: the peak settles only once the optimizer state exists (step 2) and the heap has
+    grown around the second micro-batch."""
+    train(tmp_path / "run", *ISSUE_MODEL, "parallel.zero=3", nproc=2, timeout=240)
+    check = json.loads((tmp_path / "run" / "summary.json").read_text())["plan_check"]
+    assert abs(check["ratio_peak"] - 1) <= 0.25, check
+    assert check["warnings"] == []

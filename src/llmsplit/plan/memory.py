@@ -26,6 +26,9 @@ from ..layout import Layout, Workload, microbatches, rank_layer_counts
 
 FP32 = 4
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
+# glibc's M_MMAP_THRESHOLD in llmsplit's CPU workers (launch.py fixes it at 4 MiB): smaller
+# allocations come from the heap, which keeps what is freed.
+CPU_MMAP_THRESHOLD = 4 << 20
 
 
 @dataclass
@@ -118,9 +121,10 @@ def compute_pattern(layout: Layout, work: Workload) -> str:
     return "mixed_params" if layout.zero >= 2 else "autocast"
 
 
-def layer_activation_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str,
-                           checkpoint: str = "none", fused_attention: bool = True) -> int:
-    """Bytes one decoder layer saves for backward for one micro-batch of b×s tokens.
+def layer_saved_tensors(cfg: LlamaConfig, s: int, layout: Layout, pattern: str, checkpoint: str = "none",
+                        fused_attention: bool = True) -> list[tuple[int, float]]:
+    """What one decoder layer saves for backward, as (how many tensors, bytes of one of them
+    per token) pairs: a tensor of a micro-batch of b×s tokens has b·s times that many bytes.
 
     Term by term (per token; h dim, k = n_kv_heads·head_dim, f ffn_dim, a heads, c compute
     bytes, t tp; the norm part and rsqrt divide by t only with sequence parallel):
@@ -132,33 +136,63 @@ def layer_activation_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pat
                       keeps the a·s probabilities and k, v repeated to all heads)
       SwiGLU          gate, silu(gate), up, product: 4cf/t
       rsqrt           2·4
-    plus rope tables cast to c (4·s·head_dim·c per micro-batch) when c ≠ 4.
     """
     h, a, f = cfg.dim, cfg.n_heads, cfg.ffn_dim
     kv = cfg.n_kv_heads * cfg.head_dim
     c = 4 if pattern == "fp32" else 2
     t = layout.tp
-    sp = layout.sp
-    per_norm_region = (lambda x: x / t) if sp else (lambda x: x)
+    norm_t = t if layout.sp else 1  # the norm region is split over tp only with sequence parallel
     r = c if pattern == "mixed_params" else FP32  # residual stream dtype
-    tokens = b * s
     if checkpoint == "full":
-        return int(tokens * per_norm_region(r * h))
+        return [(1, r * h / norm_t)]
     if checkpoint == "selective":
         # parallel/memory.py keeps the matmul outputs (q, k, v, wo, w1, w3, w2) and the
         # block input; norms, rope, attention and SiLU are recomputed from them.
-        kept = per_norm_region(r * h) + c * (h + 2 * kv) / t + 2 * c * f / t + per_norm_region(2 * c * h)
-        return int(tokens * kept)
-    norms = {"fp32": 16 * h, "autocast": 16 * h, "mixed_params": 2 * (4 + c) * h}[pattern]
-    linear_in = {"fp32": 8 * h, "autocast": 5 * c * h, "mixed_params": 2 * c * h}[pattern]
+        return [(1, r * h / norm_t), (1, c * h / t), (2, c * kv / t), (2, c * f / t), (2, c * h / norm_t)]
+    norms = {"fp32": [(4, 4 * h)], "autocast": [(4, 4 * h)], "mixed_params": [(2, 4 * h), (2, c * h)]}[pattern]
+    linear_in = {"fp32": (2, 4 * h), "autocast": (5, c * h), "mixed_params": (2, c * h)}[pattern]
     if fused_attention:
-        attention = c * (h + 2 * kv) / t + c * h / t + 4 * a / t
+        attention = [(1, c * h / t), (2, c * kv / t), (1, c * h / t), (1, 4 * a / t)]
     else:
-        attention = c * 3 * h / t + c * h / t + c * a * s / t
-    mlp = 4 * c * f / t
-    per_token = per_norm_region(norms + 8) + linear_in + attention + mlp
-    rope_casts = 0 if c == 4 else 4 * s * cfg.head_dim * c
-    return int(tokens * per_token + rope_casts)
+        attention = [(3, c * h / t), (1, c * h / t), (1, c * a * s / t)]
+    norm_region = [(n, row / norm_t) for n, row in (*norms, (2, 4))]
+    return [*norm_region, linear_in, *attention, (4, c * f / t)]
+
+
+def layer_activation_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str,
+                           checkpoint: str = "none", fused_attention: bool = True) -> int:
+    """Bytes one decoder layer saves for backward for one micro-batch of b×s tokens: the
+    tensors of `layer_saved_tensors`, plus (without checkpointing) the rope tables cast to
+    c (4·s·head_dim·c per micro-batch) when c ≠ 4."""
+    per_token = sum(n * row for n, row in layer_saved_tensors(cfg, s, layout, pattern, checkpoint, fused_attention))
+    c = 4 if pattern == "fp32" else 2
+    rope_casts = 0 if c == 4 or checkpoint != "none" else 4 * s * cfg.head_dim * c
+    return int(b * s * per_token + rope_casts)
+
+
+def cpu_retained_heap_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str, layers: int,
+                            fused_attention: bool = True) -> int:
+    """What glibc's heap keeps resident beyond the live tensors on a CPU worker: one
+    micro-batch's worth of the rank's saved activations, counting only the tensors smaller
+    than the mmap threshold (bigger ones get their own mapping, returned to the OS when freed).
+
+    Why one micro-batch: freed heap memory stays resident, and backward frees a micro-batch's
+    activations while the gradients are allocated into the holes, so the next micro-batch's
+    activations no longer fit there and the heap grows by about their size once; after that
+    the same holes serve every step. Measured with mallinfo2 on 2 workers (dim 256-512,
+    seq 256, zero 0/3, pp 2, micro-batches of 1-8): the free heap at the peak was 0.9-1.5x
+    this term (the tiny default model 0.9x, the issue-16 cases 1.3-1.5x)."""
+    tokens = b * s
+
+    def heap_bytes(checkpoint: str) -> float:
+        return sum(n * row * tokens for n, row in layer_saved_tensors(cfg, s, layout, pattern, checkpoint,
+                                                                      fused_attention)
+                   if row * tokens < CPU_MMAP_THRESHOLD)
+
+    retained = layers * heap_bytes(layout.activation_checkpoint)
+    if layout.activation_checkpoint != "none":
+        retained += heap_bytes("none")  # the layer recomputed in backward churns the same heap
+    return int(retained)
 
 
 def backward_working_bytes(cfg: LlamaConfig, b: int, s: int, layout: Layout, pattern: str) -> int:
@@ -248,8 +282,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     autocast_weights = matmul_params * c if pattern == "autocast" else 0
     working = backward_working_bytes(cfg, b, s, layout, pattern)
     backward_peak = int(saved + autocast_weights + max(head["loss_peak"], recompute + working))
-    # The first micro-batch of a step starts backward with no gradients allocated yet.
-    grads_absent = states["grads"] if m == 1 else 0
+    grads_absent = states["grads"] if _grads_absent_at_peak(layout, m, device) else 0
 
     # Optimizer step: the fused AdamW the trainer uses (parallel/apply.py) updates each
     # tensor in place in one kernel, with no temporaries; NVMe offload's AdamW streams one
@@ -262,15 +295,28 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
 
     comm = _comm_buffers(cfg, layout, work, sp_, c)
     tensors = sum(states.values()) + activations + comm["total"]
-    overhead = int(device.runtime_bytes + device.alloc_slack * tensors)
+    heap = cpu_retained_heap_bytes(cfg, b, s, layout, pattern, layers, fused) if device.kind == "cpu" else 0
+    overhead = int(device.runtime_bytes + device.alloc_slack * tensors + heap)
     detail = {"n_params": n_params, "pattern": pattern, "in_flight_microbatches": held,
               "per_layer_activation": per_layer, "saved_activations": int(saved),
               "autocast_weight_copies": autocast_weights, "loss_peak": head["loss_peak"],
               "backward_peak": backward_peak, "optimizer_step_peak": step_peak,
-              "grads_absent_at_peak": grads_absent, "comm": comm, "microbatches": m}
+              "grads_absent_at_peak": grads_absent, "cpu_retained_heap": heap, "comm": comm, "microbatches": m}
     return Breakdown(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                      activations=int(activations), comm_buffers=comm["total"], overhead=overhead,
                      host=host, stage=stage, detail=detail)
+
+
+def _grads_absent_at_peak(layout: Layout, m: int, device: Device) -> bool:
+    """Are the (sharded) gradients still unallocated at the backward peak, the start of a
+    step's last micro-batch's backward? Every step starts without them (the trainer frees
+    them after the optimizer step). FSDP2 (zero 2/3) accumulates the micro-batches without
+    sync in its unsharded gradients (comm_buffers) and makes the sharded ones only during the
+    last backward; DDP makes them in the first backward, so only a step's only micro-batch
+    starts without them, except in a CPU pipeline, which keeps them between steps (zeroed)."""
+    if layout.zero >= 2:
+        return True
+    return m == 1 and not (layout.pp > 1 and device.kind == "cpu")
 
 
 def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict, c: int) -> dict:
