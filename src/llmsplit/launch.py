@@ -1,15 +1,25 @@
 """Starting worker processes: torch's elastic launcher (what `torchrun` runs) for local
-and multi-node jobs, or the environment `torchrun` already set up."""
+and multi-node jobs, or the environment `torchrun` already set up; and, for inference,
+the follower ranks of a job whose rank 0 is the calling process (`Followers`)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
+import shutil
+import signal
 import socket
+import tempfile
+import threading
+import time
 import uuid
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 class LaunchError(RuntimeError):
@@ -162,6 +172,9 @@ def _root_failure(failures: dict) -> tuple[int, str]:
     error is its own over one that only saw a peer go away (the first to be noticed need
     not be the first to fail)."""
     def detail(failure) -> str:
+        error_file = getattr(failure, "error_file", None)
+        if error_file is not None and not os.path.isfile(error_file):  # it died without raising (os._exit, a signal)
+            return f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         last = [line for line in str(message).strip().splitlines() if line.strip()]
         return last[-1] if last else f"exit code {failure.exitcode}"
@@ -170,6 +183,26 @@ def _root_failure(failures: dict) -> tuple[int, str]:
     own = [(rank, f) for rank, f in ordered if not any(s in detail(f) for s in PEER_GONE)]
     rank, failure = (own or ordered)[0]
     return rank, detail(failure)
+
+
+def _failure_error(failures: dict, doing: str = "") -> LaunchError:
+    """The LaunchError for failed workers ({global rank: torch's ProcessFailure}): the rank
+    that failed first, its last line, and what its exception carried (worker_entry)."""
+    rank, detail = _root_failure(failures)
+    carried = _carried(failures[rank])
+    return LaunchError(f"worker rank {rank} failed{doing}: {detail}", error_type=carried.get("type"),
+                       details=carried.get("details"))
+
+
+def _prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
+    """What every start of local workers shares (`launch` and `Followers`): torch's elastic
+    logging at warnings, the malloc policy, the start method, and each worker's thread
+    count, returned as the environment that carries it: the cores shared among the workers
+    instead of every worker taking all of them; values the user exported are kept."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    omp = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    _small_mmap_threshold()
+    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": os.environ.get("LLMSPLIT_THREADS", omp)}
 
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
@@ -191,17 +224,12 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     if master_port is None:
         if nnodes > 1:
             raise ValueError("--master-port is required with --nnodes > 1")
         master_port = free_port()
-    # Threads per worker: share the cores instead of every worker taking all of them.
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("LLMSPLIT_THREADS", os.environ["OMP_NUM_THREADS"])
-    method = start_method()
-    _small_mmap_threshold()
+    method, threads = _prepare_workers(nproc)
+    os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}",
@@ -212,10 +240,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        rank, detail = _root_failure(e.failures)
-        carried = _carried(e.failures[rank])
-        raise LaunchError(f"worker rank {rank} failed: {detail}", error_type=carried.get("type"),
-                          details=carried.get("details")) from None
+        raise _failure_error(e.failures) from None
     except DistError as e:
         if nnodes == 1:
             raise
@@ -225,3 +250,138 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
                               _doctor_hint(master_addr, master_port)) from None
         raise LaunchError(f"node {node_rank} could not reach the master {master_addr}:{master_port} {waited}: {e}",
                           _doctor_hint(master_addr, master_port)) from None
+
+
+# Each follower adds 1 here once it has reached rank 0's store (the env:// rendezvous).
+_JOINED = "llmsplit/followers_joined"
+
+
+def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple):
+    """A follower's life: join rank 0's job through torchrun's env:// rendezvous (the
+    variables Followers set), then run `entrypoint(*args)` as one of its ranks."""
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.add(_JOINED, 1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    torch.set_num_threads(int(os.environ["LLMSPLIT_THREADS"]))
+    try:
+        return entrypoint(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+class Followers:
+    """Ranks 1..world-1 of a job whose rank 0 is the calling process, which goes on running
+    (an interactive session, an HTTP server) and drives them until it closes them; once
+    this returns, the default process group spans all `world` ranks. `launch` instead
+    runs every rank in a worker and returns when all have ended: right for training, not
+    for a model that stays loaded.
+
+    The followers are started by the process layer of torch's elastic launcher
+    (`start_processes`, with `launch`'s start method, thread count and malloc policy) and
+    join through torchrun's env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+    LOCAL_RANK), rank 0 hosting the store. They are polled, not waited on: `wait_until`
+    names a follower that dies while rank 0 waits for something (a barrier on a dead rank
+    would block for the full timeout instead)."""
+
+    def __init__(self, entrypoint, args: tuple, world: int, backend: str, timeout_s: float = 600.0):
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+        method, threads = _prepare_workers(world)
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._log_dir = tempfile.mkdtemp(prefix="llmsplit-followers-")
+        job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), **threads}
+        # start_processes numbers its processes from 0 (their error files, its failures).
+        envs = {i: {**job, "RANK": str(i + 1), "LOCAL_RANK": str(i + 1)} for i in range(world - 1)}
+        follower = (entrypoint, backend, timeout_s, args)
+        try:
+            with _signal_handlers_kept():  # start() installs torchrun's handlers; the caller keeps its own
+                self._procs = start_processes("llmsplit-followers", _run_follower, dict.fromkeys(envs, follower),
+                                              envs, DefaultLogsSpecs(log_dir=self._log_dir), start_method=method)
+        except BaseException:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            raise
+        self._threads = torch.get_num_threads()
+        # Left running, the followers would keep this process from exiting (they are not daemons).
+        atexit.register(self.kill)
+        try:
+            self.wait_until(lambda: self.store.add(_JOINED, 0) == world - 1, " while starting")
+            dist.init_process_group(backend, store=self.store, rank=0, world_size=world, timeout=timeout)
+        except BaseException:
+            self.kill()
+            raise
+        torch.set_num_threads(int(threads["LLMSPLIT_THREADS"]))  # rank 0 takes its share of the cores
+
+    def wait_until(self, done, doing: str) -> None:
+        """Poll `done()` until it is true; a follower that dies meanwhile raises LaunchError
+        naming its rank and `doing` (e.g. " while loading the model"). A collective that
+        `done` waits on may notice the death first ("Connection closed by peer"): the
+        follower's own failure is then reported instead, once its exit shows."""
+        while True:
+            self._raise_if_ended(0, doing)
+            try:
+                if done():
+                    return
+            except RuntimeError:
+                self._raise_if_ended(5, doing)
+                raise
+            time.sleep(0.02)
+
+    def _raise_if_ended(self, timeout_s: float, doing: str) -> None:
+        with _quiet_process_layer():
+            result = self._procs.wait(timeout_s, period=0.02)
+        if result is None:
+            return
+        failures = {rank + 1: f for rank, f in result.failures.items()}
+        if not failures:
+            raise LaunchError(f"the worker ranks returned{doing}, before rank 0 told them to stop")
+        raise _failure_error(failures, doing) from None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leave the job once the followers have been told to stop, and let them end."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._procs.wait(timeout_s, period=0.02)
+        self.kill()
+
+    def kill(self) -> None:
+        """End the followers that still run, drop rank 0's part of the job and its files."""
+        atexit.unregister(self.kill)
+        with _quiet_process_layer():
+            self._procs.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_process_layer():
+    """torch's process layer logs a failed follower with a traceback of its own (naming its
+    local rank, one less than its rank) and each one it ends; the LaunchError says what
+    matters once, by rank."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """Put back the main thread's handlers of the signals that torchrun's process layer
+    takes over: SIGINT must stay KeyboardInterrupt in an interactive session, SIGTERM the
+    server's graceful stop."""
+    main = threading.current_thread() is threading.main_thread()
+    names = [n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if main and hasattr(signal, n)]
+    saved = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in names}
+    try:
+        yield
+    finally:
+        for number, handler in saved.items():
+            if handler is not None:
+                signal.signal(number, handler)

@@ -2,7 +2,8 @@
 
 The mesh always has the four dimensions pp × dp_replicate × dp_shard × tp (size 1 where
 unused), so the code that asks for a group never has to know which techniques are on.
-Data loading and DDP use the flattened data-parallel dimension "dp".
+Data loading and DDP use the flattened data-parallel dimension "dp". Training and
+inference `--tp/--pp` both build it from a `Layout`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ParallelSection
+from ..layout import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -25,9 +27,14 @@ class ParallelDims:
     tp: int
 
     @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelDims":
+        return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp // layout.dp_replicate,
+                   tp=layout.tp)
+
+    @classmethod
     def from_config(cls, par: ParallelSection) -> "ParallelDims":
         assert par.dp > 0, "resolve parallel.dp before building the mesh"
-        return cls(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp // par.dp_replicate, tp=par.tp)
+        return cls.from_layout(Layout(dp=par.dp, dp_replicate=par.dp_replicate, tp=par.tp, pp=par.pp))
 
     @property
     def dp(self) -> int:
