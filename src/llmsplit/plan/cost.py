@@ -52,10 +52,30 @@ def _ring(nbytes: float, n: int, bw: float) -> float:
 
 def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> StepCost:
     s, m = work.seq_len, microbatches(layout, work)
-    t, p, dp = layout.tp, layout.pp, layout.dp
-    c = work.compute_bytes
     tokens_step = work.global_batch * s
     per_token = model_flops_per_token(cfg, s)
+    matmul_s, elementwise_s = _compute_times(cfg, layout, work, device, per_token)
+    compute_s = matmul_s + elementwise_s
+    bubble_s = compute_s * idle_per_compute(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
+    stage = stage_params(cfg, layout, 0)
+    n_local = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
+    dp_comm, dp_exposed = _data_parallel_comm(cfg, layout, work, device, n_local, compute_s)
+    tp_s, pp_s = _model_parallel_comm(cfg, layout, work, device)
+    optimizer_s = _optimizer_time(layout, m, device, n_local)
+    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + optimizer_s
+    tokens_per_s = tokens_step / step
+    mfu = per_token * tokens_per_s / (layout.world * device.flops(work.precision))
+    detail = {"compute_s": compute_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "bubble_s": bubble_s,
+              "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
+              "optimizer_s": optimizer_s, "model_flops_per_token": per_token}
+    return StepCost(step_time_s=step, tokens_per_s=tokens_per_s, mfu=mfu, detail=detail)
+
+
+def _compute_times(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device,
+                   per_token: float) -> tuple[float, float]:
+    """(matmul seconds, elementwise seconds) of one rank's step."""
+    s, m = work.seq_len, microbatches(layout, work)
+    tokens_step = work.global_batch * s
     model_flops = per_token * tokens_step / layout.world
     # Recomputation: full re-runs every block's forward (+1/3 of the block FLOPs);
     # selective re-runs attention's forward (the matmul outputs are kept).
@@ -63,74 +83,68 @@ def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Devi
     attention_flops = 12 * cfg.n_layers * cfg.dim * s
     extra = {"none": 0.0, "selective": attention_flops / 3, "full": block_flops / 3}[layout.activation_checkpoint]
     hardware_flops = model_flops + extra * tokens_step / layout.world
-    peak = device.flops(work.precision)
-    matmul_s = hardware_flops / (peak * device.matmul_efficiency)
+    matmul_s = hardware_flops / (device.flops(work.precision) * device.matmul_efficiency)
     # Elementwise work (norms, rope, SiLU, casts, their backward) streams the saved
     # activations about three times: written in forward, read and written in backward.
     layers = max(rank_layer_counts(cfg, layout))  # the fullest stage sets the pace
     per_layer = layer_activation_bytes(cfg, layout.micro_batch, s, layout, compute_pattern(layout, work))
     elementwise_s = 3 * per_layer * layers * m / (device.mem_bw / (device.gpus_per_node if device.kind == "cpu" else 1))
-    compute_s = matmul_s + elementwise_s
-    mb_s = compute_s / m
+    return matmul_s, elementwise_s
 
-    bubble_s = compute_s * idle_per_compute(layout.pp_schedule, p, m, layout.pp_virtual_stages)
 
-    # Data-parallel communication (fp32 gradients: the parameters are fp32).
-    stage = stage_params(cfg, layout, 0)
-    n_local = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
-    shard = layout.shard
-    dp_bw = _bw(device, t * dp)
-    shard_bw = _bw(device, t * shard)
-    backward_window = 2 / 3 * mb_s  # the last micro-batch's backward hides gradient sync
-    dp_comm, dp_exposed = 0.0, 0.0
-    if dp > 1:
-        if layout.zero <= 1:
-            dp_comm = 2 * _ring(FP32 * n_local, dp, dp_bw)
-            dp_exposed = max(0.0, dp_comm - backward_window)
-            if layout.zero == 1:  # owners broadcast updated parameters after the step
-                broadcast = _ring(FP32 * n_local, dp, dp_bw)
-                dp_comm += broadcast
-                dp_exposed += broadcast
-        else:
-            gathers = 1 if layout.zero == 2 else 2 * m
-            gather = gathers * _ring(c * n_local, shard, shard_bw)
-            scatter = _ring(FP32 * n_local, shard, shard_bw)
-            replicate = 2 * _ring(FP32 * n_local / shard, layout.dp_replicate, dp_bw)
-            dp_comm = gather + scatter + replicate
-            # Prefetching hides the gathers behind compute; the first block's cannot be.
-            first = _ring(c * layer_params(cfg, t), shard, shard_bw)
-            dp_exposed = max(0.0, gather - compute_s) + first + max(0.0, scatter + replicate - backward_window)
+def _data_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device, n_local: float,
+                        compute_s: float) -> tuple[float, float]:
+    """(all data-parallel communication, the part not hidden behind compute), in seconds;
+    fp32 gradients, since the parameters are fp32."""
+    t, dp, shard, m, c = layout.tp, layout.dp, layout.shard, microbatches(layout, work), work.compute_bytes
+    if dp == 1:
+        return 0.0, 0.0
+    dp_bw, shard_bw = _bw(device, t * dp), _bw(device, t * shard)
+    backward_window = 2 / 3 * compute_s / m  # the last micro-batch's backward hides gradient sync
+    if layout.zero <= 1:
+        dp_comm = 2 * _ring(FP32 * n_local, dp, dp_bw)
+        dp_exposed = max(0.0, dp_comm - backward_window)
+        if layout.zero == 1:  # owners broadcast updated parameters after the step
+            broadcast = _ring(FP32 * n_local, dp, dp_bw)
+            dp_comm += broadcast
+            dp_exposed += broadcast
+        return dp_comm, dp_exposed
+    gathers = 1 if layout.zero == 2 else 2 * m
+    gather = gathers * _ring(c * n_local, shard, shard_bw)
+    scatter = _ring(FP32 * n_local, shard, shard_bw)
+    replicate = 2 * _ring(FP32 * n_local / shard, layout.dp_replicate, dp_bw)
+    # Prefetching hides the gathers behind compute; the first block's cannot be.
+    first = _ring(c * layer_params(cfg, t), shard, shard_bw)
+    return gather + scatter + replicate, max(0.0, gather - compute_s) + first + max(0.0, scatter + replicate -
+                                                                                    backward_window)
 
-    # Tensor parallel: two collectives per layer forward, two in backward, none hidden.
-    tp_s = 0.0
-    if t > 1:
+
+def _model_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> tuple[float, float]:
+    """(tensor-parallel, pipeline) communication seconds on the critical path."""
+    s, m, c, t, p = work.seq_len, microbatches(layout, work), work.compute_bytes, layout.tp, layout.pp
+    tp_s = pp_s = 0.0
+    if t > 1:  # two collectives per layer forward, two in backward, none hidden
         act = layout.micro_batch * s * cfg.dim * c
-        tp_s = 4 * layers * m * 2 * _ring(act, t, _bw(device, t))
+        tp_s = 4 * max(rank_layer_counts(cfg, layout)) * m * 2 * _ring(act, t, _bw(device, t))
         if layout.activation_checkpoint == "full":
             tp_s *= 1.5  # the recomputed forward repeats its two
-    # Pipeline sends: on the critical path once per micro-batch per boundary.
-    pp_s = 0.0
-    if p > 1:
+    if p > 1:  # pipeline sends: on the critical path once per micro-batch per boundary
         act = layout.micro_batch * s * cfg.dim * c / (t if layout.sp else 1)
-        pp_s = 2 * (m + p - 1) * (act / _bw(device, t * dp * p) + COLLECTIVE_LATENCY_S)
+        pp_s = 2 * (m + p - 1) * (act / _bw(device, t * layout.dp * p) + COLLECTIVE_LATENCY_S)
+    return tp_s, pp_s
 
-    # Optimizer step: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v).
+
+def _optimizer_time(layout: Layout, m: int, device: Device, n_local: float) -> float:
+    """AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v)."""
+    shard = layout.shard
     local_opt = n_local / (shard if layout.zero >= 1 else 1)
     if layout.offload == "cpu":
         offload_moves = (2 * m if layout.zero == 3 else 1) * FP32 * n_local / shard + FP32 * n_local / shard
-        optimizer_s = offload_moves / device.host_bw + 28 * local_opt / HOST_MEM_BW
-    else:
-        optimizer_s = 28 * local_opt / device.mem_bw
-        if layout.offload == "nvme":
-            optimizer_s += 2 * 2 * FP32 * local_opt / NVME_BW
-
-    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + optimizer_s
-    tokens_per_s = tokens_step / step
-    mfu = per_token * tokens_per_s / (layout.world * peak)
-    detail = {"compute_s": compute_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "bubble_s": bubble_s,
-              "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
-              "optimizer_s": optimizer_s, "model_flops_per_token": per_token}
-    return StepCost(step_time_s=step, tokens_per_s=tokens_per_s, mfu=mfu, detail=detail)
+        return offload_moves / device.host_bw + 28 * local_opt / HOST_MEM_BW
+    optimizer_s = 28 * local_opt / device.mem_bw
+    if layout.offload == "nvme":
+        optimizer_s += 2 * 2 * FP32 * local_opt / NVME_BW
+    return optimizer_s
 
 
 def inference_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> StepCost:
