@@ -1,5 +1,9 @@
 """The same logits and greedy tokens whatever the layout: whole on CPU, cpu + disk under a
-small budget, a batch against one prompt at a time, tensor parallel and pipeline workers."""
+small budget, a batch against one prompt at a time, tensor parallel and pipeline workers;
+a worker that dies while loading is named by rank."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,13 +69,15 @@ def test_cpu_plus_disk_under_a_small_budget(folder, reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}])
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}])
 def test_worker_processes(folder, reference, layout):
     m = llmsplit.load(folder, **layout)
     try:
-        if "tp" in layout:  # rank 0 holds rows 0..160 of the 321 (one shared tensor: the head is tied)
-            piece = m.engine.runner.runner.model
+        piece = m.engine.runner.runner.model
+        if layout == {"tp": 2}:  # rank 0 holds rows 0..160 of the 321 (one shared tensor: the head is tied)
             assert piece.tok_embeddings.weight.shape[0] == 161 and piece.output.weight is piece.tok_embeddings.weight
+        if "pp" in layout:  # rank 0 is stage 0: the embedding and layers 0, 1 of the 4, no head
+            assert piece.output is None and sorted(int(i) for i in piece.layers) == [0, 1]
         assert_same(run(m), reference)
         assert m.generate("The def statement", max_new_tokens=6) == llmsplit.load(folder).generate(
             "The def statement", max_new_tokens=6)
@@ -102,3 +108,39 @@ def test_compiled_decode_step(folder, reference, tmp_path):
                       compile=True)
     with pytest.raises(ConfigError, match="compile"):
         llmsplit.load(folder, tp=2, compile=True)
+
+
+# Run as a script: rank 1 dies while it loads its piece (spawned followers import this
+# module again as their __main__, so they get the replaced Runner too); rank 0 loads.
+DYING_RANK_1 = """
+import os, sys
+import torch.distributed as dist
+import llmsplit
+import llmsplit.infer.distributed as split
+from llmsplit.launch import LaunchError
+
+loading = split.Runner
+def runner(*args, **kwargs):
+    if dist.get_rank() == 1 and sys.argv[2] == "exit":
+        os._exit(3)
+    if dist.get_rank() == 1:
+        raise RuntimeError("disk on fire")
+    return loading(*args, **kwargs)
+split.Runner = runner
+
+if __name__ == "__main__":
+    try:
+        llmsplit.load(sys.argv[1], tp=2)
+    except LaunchError as e:
+        print(e)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how,reported", [("exit", "exit code 3"), ("raise", "RuntimeError: disk on fire")])
+def test_a_worker_that_dies_while_loading_is_named(folder, tmp_path, how, reported):
+    script = tmp_path / "dying_rank_1.py"
+    script.write_text(DYING_RANK_1)
+    # Rank 0 watches the follower: it does not wait out the process group's 10-minute timeout.
+    out = subprocess.run([sys.executable, str(script), str(folder), how], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == f"worker rank 1 failed while loading the model: {reported}", out.stderr
