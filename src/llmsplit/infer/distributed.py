@@ -80,6 +80,8 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     from ..io.weights import open_weights
 
     device = rank_device(dist.get_rank(), spec.world)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # before the mesh, whose NCCL communicators bind to it
     mesh = Mesh(ParallelDims.from_layout(spec.layout), device.split(":")[0])
     stage, tp_rank = mesh.rank("pp"), mesh.rank("tp")
     source = open_weights(spec.path)
