@@ -6,8 +6,10 @@ that `generate` reads); how long it takes is a benchmark's question, not this te
 README's Quickstart shows a full run."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +34,18 @@ def test_default_training_has_a_falling_loss_and_generates(tmp_path):
     out = subprocess.run([sys.executable, "-m", "llmsplit", "generate", "--model", str(run_dir), "The def statement"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and len(out.stdout.strip()) > 0, out.stderr
+
+
+def test_each_quickstart_line_sets_up_the_same_venv_on_its_own():
+    """Issue 22: line 2 used whatever Python the new terminal had (a dry run would have pulled
+    torch 2.14 with CUDA wheels into it). Both lines now start by creating or reusing .venv,
+    activating it and pinning torch; .ci/run reads line 2 from the README, so CI runs it as written."""
+    root = Path(__file__).parent.parent
+    block = re.search(r"## Quickstart\s+```bash\n(.*?)```", (root / "README.md").read_text(), re.S).group(1)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) == 2
+    setup = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
+    assert all(line.startswith(setup) for line in lines), lines
+    assert lines[0].endswith('llmsplit generate --model runs/quickstart "The def statement"')
+    assert lines[1].endswith("python -m pytest -q")
+    assert "README.md" in (root / ".ci" / "run").read_text()
