@@ -1,12 +1,14 @@
 """`llmsplit serve` as users run it: a subprocess on a random 127.0.0.1 port, spoken to with
 the official `openai` client and plain HTTP. Answers match `llmsplit generate`, concurrent
 clients are batched without losing anyone, bad requests get OpenAI-shaped 4xx errors while
-the server keeps serving, departed clients free their KV blocks, and SIGTERM drains."""
+the server keeps serving (unsupported fields, hostile chat templates, half-sent headers
+included), departed clients free their KV blocks, and SIGTERM drains."""
 
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,13 +29,25 @@ from helpers import run_cli  # noqa: E402
 KEY = "sk-test-key"
 PROMPT = "The def statement"
 LONG = 1000  # tokens: a generation that takes more than a second
+TIMEOUT = 4  # --request-timeout of the servers here, in seconds
+# ChatML, plus two traps a hostile model file could set, sprung by the last message: a loop of
+# 10^10 empty iterations (pure Python, stopped by the time limit) and one C-level power that
+# would run for hours (refused by the sandbox before it starts).
+CHAT_TEMPLATE = (
+    "{% if messages[-1]['content'] == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[-1]['content'] == 'power' %}{{ 9 ** (9 ** 9) }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     # A long context, so that a generation lasts long enough to be interrupted.
-    return make_hf_folder(tmp_path_factory.mktemp("serve") / "llama", num_hidden_layers=2,
+    path = make_hf_folder(tmp_path_factory.mktemp("serve") / "llama", num_hidden_layers=2,
                           max_position_embeddings=1024)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
 
 
 @contextmanager
@@ -42,7 +56,7 @@ def live_server(folder, tmp_path, *flags):
     log = tmp_path / f"serve-{time.monotonic_ns()}.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "llmsplit", "serve", "--model", str(folder), "--port", "0",
-                                 *flags], stdout=subprocess.DEVNULL, stderr=err,
+                                 "--request-timeout", str(TIMEOUT), *flags], stdout=subprocess.DEVNULL, stderr=err,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 120
@@ -84,6 +98,13 @@ def wait_idle(url, timeout=20.0) -> dict[str, float]:
         if m["kv_blocks_used"] == m["requests_running"] == m["requests_waiting"] == 0 or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+def wait_for(condition, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_openai_client_models_completions_chat_and_streaming(server, folder):
@@ -159,31 +180,103 @@ def test_many_concurrent_clients_each_get_every_token(server):
     assert after["generated_tokens_per_second"] > 0
 
 
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(content="Hi", **fields):
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
 @pytest.mark.parametrize("name,kwargs,status", [
     ("malformed JSON", dict(content=b'{"prompt": "x", max_tokens: }'), 400),
     ("not an object", dict(json=["x"]), 400),
-    ("negative max_tokens", dict(json={"model": "llama", "prompt": "x", "max_tokens": -3}), 400),
-    ("temperature out of range", dict(json={"prompt": "x", "temperature": -1}), 400),
-    ("n > 1", dict(json={"prompt": "x", "n": 2}), 400),
-    ("unknown model", dict(json={"model": "gpt-4o", "prompt": "x"}), 404),
-    ("prompt longer than the context", dict(json={"prompt": "word " * 1200}), 400),
-    ("token id outside the vocabulary", dict(json={"prompt": [1, 2, 10**6]}), 400),
+    ("negative max_tokens", dict(json={"model": "llama", "prompt": "x", "max_tokens": -3}, param="max_tokens"), 400),
+    ("temperature out of range", dict(json={"prompt": "x", "temperature": -1}, param="temperature"), 400),
+    ("unknown model", dict(json={"model": "gpt-4o", "prompt": "x"}, param="model"), 404),
+    ("prompt longer than the context", dict(json={"prompt": "word " * 1200}, param="prompt"), 400),
+    ("max_tokens beyond the context", dict(json={"prompt": "x", "max_tokens": 5000}, param="max_tokens"), 400),
+    ("more prompts than the server holds", dict(json={"prompt": ["x"] * 37}, param="prompt"), 400),  # 4 + 32
+    ("token id outside the vocabulary", dict(json={"prompt": [1, 2, 10**6]}, param="prompt"), 400),
+    ("seed of 2**64", dict(json={"prompt": "x", "seed": 2**64}, param="seed"), 400),
+    ("seed below -2**63", dict(json={"prompt": "x", "seed": -2**63 - 1}, param="seed"), 400),
+    ("lone surrogate in the prompt", dict(content=b'{"prompt": "a\\ud800b"}', param="prompt"), 400),
+    ("lone surrogate in a message", dict(content=b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                                         path=CHAT, param="messages.0.content"), 400),
     ("huge body", dict(json={"prompt": "x" * 100_000}), 413),
     ("wrong API key", dict(json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401),
     ("no API key", dict(json={"prompt": "x"}, headers={"Authorization": ""}), 401),
-    ("chat without messages", dict(json={"messages": []}, path="/v1/chat/completions"), 400),
-    ("chat with a bad role", dict(json={"messages": [{"role": "wizard", "content": "x"}]},
-                                  path="/v1/chat/completions"), 400),
+    ("chat without messages", dict(json={"messages": []}, path=CHAT, param="messages"), 400),
+    ("chat with a bad role", dict(json={"messages": [{"role": "wizard", "content": "x"}]}, path=CHAT), 400),
+    ("template with a C-level power", dict(json=chat_body("power"), path=CHAT, param="messages"), 400),
     ("unknown route", dict(json={}, path="/v1/embeddings"), 404),
+    # Fields that would change the answer and are not implemented: refused, never ignored.
+    *[(f"unsupported {field}", dict(json={"prompt": "x", field: value}, param=field), 400) for field, value in [
+        ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "!"), ("logprobs", 3), ("logit_bias", {"5": 100}),
+        ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_tokens", 5), ("repetition_penalty", 1.2)]],
+    *[(f"unsupported chat {field}", dict(json=chat_body(**{field: value}), path=CHAT, param=field), 400)
+      for field, value in [
+        ("logprobs", True), ("top_logprobs", 2), ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto")]],
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, name, kwargs, status):
-    path = kwargs.pop("path", "/v1/completions")
+    path, param = kwargs.pop("path", "/v1/completions"), kwargs.pop("param", None)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **kwargs.pop("headers", {})}
     r = httpx.post(f"{server}{path}", headers=headers, timeout=30, **kwargs)
     assert r.status_code == status, (name, r.text)
     err = r.json()["error"]
     assert err["message"] and err["type"], name
+    if param:
+        assert err["param"] == param, (name, err)
     assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_default_values_of_unsupported_fields_are_accepted(server):
+    # Clients that send every field with its default must not be refused.
+    body = chat_body(max_tokens=2, n=1, logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
+                     logit_bias={}, tools=[], response_format={"type": "text"}, seed=2**64 - 1)
+    r = httpx.post(f"{server}{CHAT}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_looping_chat_template_is_stopped_while_the_server_keeps_answering(server):
+    before = metrics(server)
+    got = {}
+    spin = threading.Thread(target=lambda: got.update(r=httpx.post(
+        f"{server}{CHAT}", json=chat_body("spin"), headers={"Authorization": f"Bearer {KEY}"}, timeout=60)))
+    start = time.monotonic()
+    spin.start()
+    wait_for(lambda: metrics(server)["requests_preparing"] == 1)
+    health_s = []
+    while spin.is_alive() and len(health_s) < 200:  # bounded: the template is stopped after TIMEOUT s
+        t = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+        health_s.append(time.monotonic() - t)
+        time.sleep(0.2)
+    spin.join(60)
+    assert got["r"].status_code == 400 and got["r"].json()["error"]["code"] == "request_timeout", got["r"].text
+    assert TIMEOUT - 0.5 < time.monotonic() - start < TIMEOUT + 20
+    assert len(health_s) >= 3 and max(health_s) < 3, health_s  # answered all along, not after the template
+    r = client(server).chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+    assert r.choices[0].message.role == "assistant"
+    assert metrics(server)['http_responses_total{status="400"}'] > before.get('http_responses_total{status="400"}', 0)
+
+
+def test_requests_that_never_finish_arriving_are_cut_off(server):
+    host, port = server.removeprefix("http://").split(":")
+    silent, half_head, slow_body = (socket.create_connection((host, int(port)), timeout=30) for _ in range(3))
+    half_head.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
+    slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+    start = time.monotonic()
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200  # meanwhile, others are served
+    for sock in (silent, half_head):
+        assert sock.recv(1024) == b""  # closed by the server
+    answer = slow_body.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+    assert time.monotonic() - start < TIMEOUT + 20
+    for sock in (silent, half_head, slow_body):
+        sock.close()
 
 
 def test_the_openai_client_sees_typed_errors(server):
@@ -242,7 +335,13 @@ def test_full_queue_gets_429_and_sigterm_drains(folder, tmp_path):
             else:
                 assert r.json()["usage"]["completion_tokens"] == LONG
 
-        # SIGTERM while a stream is in flight: the stream still ends properly, then the process exits 0.
+        # SIGTERM while a stream is in flight and a chat template spins: the stream still ends
+        # properly, the template is stopped at its time limit, then the process exits 0.
+        spun = {}
+        spin = threading.Thread(target=lambda: spun.update(r=httpx.post(f"{url}{CHAT}", json=chat_body("spin"),
+                                                                        timeout=60)))
+        spin.start()
+        wait_for(lambda: metrics(url)["requests_preparing"] == 1)
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 100, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()
@@ -253,6 +352,8 @@ def test_full_queue_gets_429_and_sigterm_drains(folder, tmp_path):
         chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) == 0, log.read_text()
+        spin.join(10)
+        assert spun["r"].status_code == 400 and spun["r"].json()["error"]["code"] == "request_timeout"
         assert "stopped after answering" in log.read_text()
 
 

@@ -161,3 +161,75 @@ def test_default_chat_template_and_template_errors():
     tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
     with pytest.raises(TemplateError, match="first must be user"):
         chat_prompt([{"role": "assistant", "content": "x"}], tok)
+
+
+def test_the_time_limit_stops_a_python_loop_in_its_thread():
+    import asyncio
+
+    from llmsplit.infer.time_limit import OffLoop, TimeLimitExceeded
+
+    def spin():
+        while True:
+            pass
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name == "llmsplit-request-work"]
+
+    async def settle():
+        for _ in range(100):  # bounded: the interrupted thread ends within microseconds
+            if not workers():
+                return
+            await asyncio.sleep(0.05)
+
+    async def main():
+        off = OffLoop(0.3)
+        assert await off.run(sum, [1, 2]) == 3
+        with pytest.raises(ValueError):  # the function's own error reaches the caller
+            await off.run(int, "x")
+        start = time.monotonic()
+        with pytest.raises(TimeLimitExceeded):
+            await off.run(spin)
+        assert time.monotonic() - start < 5
+        await settle()
+        assert not workers()  # stopped, not left spinning
+        task = asyncio.ensure_future(off.run(spin))  # a request whose client left is stopped too
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await settle()
+        assert not workers() and off.active == 0
+
+    asyncio.run(main())
+
+
+def test_an_unexpected_error_is_a_500_counted_in_metrics(model, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from llmsplit.infer.server import Server
+
+    def broken(text):
+        raise RuntimeError("tokenizer broke")
+
+    monkeypatch.setattr(model.engine.tokenizer, "encode", broken)
+    with TestClient(Server(model, "llama").app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "tokenizer broke" in r.json()["error"]["message"]
+        assert 'llmsplit_http_responses_total{status="500"} 1\n' in c.get("/metrics").text
+        assert c.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("flags,warned", [(["--host", "0.0.0.0"], True), (["--host", "::"], True),
+                                          (["--host", "0.0.0.0", "--api-key", "k"], False),
+                                          (["--host", "127.0.0.1"], False), ([], False)])
+def test_serving_beyond_this_machine_without_a_key_warns(flags, warned, monkeypatch, capsys):
+    from llmsplit import cli
+    from llmsplit.infer import server
+
+    monkeypatch.delenv("LLMSPLIT_API_KEY", raising=False)
+    served = []
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: served.append(kw))  # no socket is opened
+    assert cli.main(["serve", "--model", "m", *flags]) == 0 and served
+    err = capsys.readouterr().err
+    assert ("warning" in err and "--api-key" in err) == warned, err

@@ -14,7 +14,10 @@ from .config import ConfigError
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(COMMANDS)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a flag refused while parsing (exit 2, one line)
+        return e.code
     args.program = argv is None  # the `llmsplit` program itself, not a call from Python
     if not getattr(args, "func", None):
         parser.print_help()
@@ -38,9 +41,7 @@ def cmd_train(args) -> int:
     if args.program and not under_torchrun():
         claim_process_for_launching()  # before anything here computes
     overrides = list(args.set)
-    if args.profile is not None:
-        if args.profile < 1:
-            raise ConfigError(f"--profile {args.profile} must be at least 1 (steps to trace)")
+    if args.profile is not None:  # at least 1: cli_args refuses less while parsing
         overrides.append(f"train.profile_steps={args.profile}")
     try:
         result = train(args.config, args.nproc, args.run_dir, args.resume, overrides=overrides, auto=args.auto,
@@ -61,25 +62,56 @@ def cmd_generate(args) -> int:
     import llmsplit
 
     from .diagnose.oom import infer_failure, infer_oom_errors
+    from .infer.api import generation_context
+    from .io.weights import open_weights
 
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if not prompt:
         raise ConfigError("the prompt is empty; pass PROMPT words or text on standard input")
+    source = open_weights(args.model)
+    prompt = _prompt_ids(args, prompt, source.tokenizer)
+    prompt_tokens = len(prompt)
+    if args.max_context is None:  # a cache for this one answer, not the model's whole context
+        args.max_context = generation_context(prompt_tokens, args.max_new_tokens)
     try:
-        m = llmsplit.load(args.model, **_placement_kwargs(args), max_batch=1)
+        m = llmsplit.load(args.model, **_placement_kwargs(args), max_batch=1, source=source)
     except infer_oom_errors() as e:
         failure = infer_failure(e, "loading the model")
     else:
+        del source  # a run's checkpoint is held in memory until the runner has its weights
         failure = _print_generation(m, prompt, args)
         del m  # closed; what it held must be free before a failure is explained
     if failure is not None:  # outside `except`: the traceback no longer holds the half-loaded model
-        return _explain_infer_failure(args, failure, max_batch=1)
+        return _explain_infer_failure(args, failure, max_batch=1, min_context=prompt_tokens + 1)
     return 0
 
 
-def _print_generation(m, prompt: str, args):
+def _prompt_ids(args, prompt: str, tokenizer) -> list[int]:
+    """The prompt's token ids. With --chat, `prompt` is one user message (after --system's)
+    in the model's own chat template, and the template's stop strings join --stop."""
+    from .infer.chat import TemplateError, chat_prompt, render_chat
+
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system needs --chat: it is the system message of a chat; add --chat")
+    if not args.chat:
+        if args.show_prompt:
+            print(prompt, file=sys.stderr)
+        return tokenizer.encode(prompt)
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    try:
+        ids, stops = chat_prompt(messages, tokenizer)
+        if args.show_prompt:
+            print(render_chat(messages, tokenizer), file=sys.stderr)
+    except TemplateError as e:
+        raise ConfigError(f"--chat: {e}") from None
+    args.stop = [*args.stop, *stops]
+    return ids
+
+
+def _print_generation(m, prompt: list[int], args):
     """Print the continuation of `prompt` (and, asked, the device map); close `m`. Returns
     None, or the `InferFailure` of a generation that ran out of memory."""
     import torch
@@ -113,21 +145,31 @@ def _placement_kwargs(args) -> dict:
                 dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile)
 
 
-def _explain_infer_failure(args, failure, max_batch: int) -> int:
+def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16) -> int:
     """generate/serve out of memory: the placement's breakdown against the budgets and the
-    one-flag changes that fit; exit 1."""
+    changes of flags that fit (no context under `min_context`, which the prompt needs); exit 1."""
     from .diagnose.oom import explain_infer_failure
 
     serving = args.func is cmd_serve
-    text = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
-                                 offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
-                                 max_context=args.max_context, max_batch_flag=serving)
-    print(f"llmsplit: {'serve' if serving else 'generate'} failed: {text}\n"
-          f"hint: add one of the flags above to the same command", file=sys.stderr)
+    report = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
+                                   offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
+                                   max_context=args.max_context, max_batch_flag=serving,
+                                   min_context=min_context)
+    hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
+    print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1
 
 
 # ---------------------------------------------------------------- serve
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
 
 def cmd_serve(args) -> int:
     from .diagnose.oom import infer_failure, infer_oom_errors
@@ -138,11 +180,15 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise ConfigError(f"llmsplit serve needs the [serve] extra ({e.name} is missing): "
                           f"pip install 'llmsplit[serve]'") from None
+    if not args.api_key and not _is_loopback(args.host):
+        print(f"llmsplit: warning: --host {args.host} lets other machines connect and no --api-key is set, so "
+              f"anyone who reaches this port can use the model; set --api-key or LLMSPLIT_API_KEY", file=sys.stderr)
     failure = None
     try:
         serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
-              drain_timeout=args.drain_timeout, max_batch=args.max_batch, **_placement_kwargs(args))
+              drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
+              **_placement_kwargs(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:
@@ -178,7 +224,7 @@ def cmd_plan(args) -> int:
     if args.emit_config:
         print(f"llmsplit: wrote {args.emit_config} (run it with: llmsplit train --config {args.emit_config} "
               f"--nproc {args.gpus})", file=sys.stderr)
-    return 0
+    return 0 if report["fitting"] else 1  # a script can ask `plan` whether anything fits
 
 
 # ---------------------------------------------------------------- doctor

@@ -10,12 +10,44 @@ from collections.abc import Callable
 EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
 
 
+class Parser(argparse.ArgumentParser):
+    """An error is one line naming the flag (argparse would print the whole usage first);
+    subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def number(kind: type, at_least=None, above=None, at_most=None) -> Callable:
+    """An argparse `type`: `kind` (int or float) within the bounds. A value out of range is
+    refused while the command line is parsed, naming the flag, before any model loads."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        # Negated comparisons, so that a float NaN is out of every range.
+        if at_least is not None and not value >= at_least:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {at_least}")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"{text} must be more than {above}")
+        if at_most is not None and not value <= at_most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {at_most}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse calls the type in its own messages
+    return parse
+
+
+COUNT = number(int, at_least=1)  # workers, devices, tokens, sequences
+
+
 def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     """The `llmsplit` parser; `handlers[name]` becomes `args.func` of subcommand `name`."""
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="llmsplit", description="Split large language models across devices.",
-                                epilog=EPILOG)
+    p = Parser(prog="llmsplit", description="Split large language models across devices.", epilog=EPILOG)
     p.add_argument("--version", action="version", version=f"llmsplit {__version__}")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
     for name, add in SUBCOMMANDS:
@@ -26,23 +58,29 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
 def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or fine-tune a model on 1..N workers",
                        description="Train on local workers started by llmsplit, or inside torchrun.", epilog=EPILOG)
-    p.add_argument("--config", metavar="FILE.toml", help="TOML config (defaults: the tiny model on the built-in corpus)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML config (default: the tiny model on the built-in "
+                   "corpus; --help-config lists every key)")
+    p.add_argument("--help-config", action=_ConfigKeysAction,
+                   help="list the config keys with their defaults and exit")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
-    p.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
+                   help="override a config key, e.g. --set train.steps=10 (repeatable; default none)")
+    p.add_argument("--nproc", type=COUNT, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
     p.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
-    p.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's rank, 0..nnodes-1")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0")
-    p.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (required with --nnodes > 1)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="restart the workers up to K times after a failure, resuming from the newest checkpoint")
+    p.add_argument("--nnodes", type=COUNT, default=1, metavar="N", help="number of machines (default %(default)s)")
+    p.add_argument("--node-rank", type=number(int, at_least=0), default=0, metavar="R",
+                   help="this machine's rank, 0..nnodes-1 (default %(default)s)")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0 (default %(default)s)")
+    p.add_argument("--master-port", type=number(int, at_least=0, at_most=65535), metavar="PORT",
+                   help="port on node 0 (required with --nnodes > 1; default: a free port)")
+    p.add_argument("--max-restarts", type=number(int, at_least=0), default=0, metavar="K",
+                   help="restart the workers up to K times after a failure, resuming from the newest checkpoint "
+                        "(default %(default)s)")
     p.add_argument("--resume", default="none", metavar="auto|none|PATH",
-                   help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint")
+                   help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint (default %(default)s)")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
-    p.add_argument("--profile", type=int, metavar="STEPS", help="trace STEPS steps with torch.profiler into "
-                   "RUN_DIR/profile/ and print each rank's compute / communication / idle time")
+    p.add_argument("--profile", type=COUNT, metavar="STEPS", help="trace STEPS steps with torch.profiler into "
+                   "RUN_DIR/profile/ and print each rank's compute / communication / idle time (default: no trace)")
     return p
 
 
@@ -54,15 +92,26 @@ def _add_generate(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
                    help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
     p.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, metavar="K")
-    p.add_argument("--top-p", type=float, metavar="P")
-    p.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=64, metavar="N",
+                   help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temperature", type=number(float, at_least=0), default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default %(default)s)")
+    p.add_argument("--top-k", type=COUNT, metavar="K", help="sample from the K likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=number(float, above=0, at_most=1), metavar="P",
+                   help="sample from the likeliest tokens whose probabilities add up to P, in (0, 1] (default: all)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed of the sampler (default: a fresh random seed)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before TEXT (repeatable; default none)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    _add_placement_args(p)
+    p.add_argument("--chat", action="store_true", help="PROMPT is one user message, written in the model's own chat "
+                   "template (its tokenizer files' or GGUF's; a plain 'User:' transcript without one); the answer "
+                   "ends at the template's end of turn")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the question (default: "
+                   "the template's own, if it has one)")
+    p.add_argument("--show-prompt", action="store_true", help="print the prompt as the model reads it, after the "
+                   "chat template (stderr)")
+    _add_placement_args(p, context_default="prompt + --max-new-tokens, at most the model's")
     p.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
     return p
 
@@ -74,21 +123,25 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                                    "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
                                    "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
                                    "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
-    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf")
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
+                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    p.add_argument("--port", type=number(int, at_least=0, at_most=65535), default=8000, help="port to bind (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
                    "file name)")
-    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8); "
+    p.add_argument("--max-batch", type=COUNT, default=8, metavar="N", help="sequences decoded together (default 8); "
                    "the KV cache holds N full contexts")
-    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+    p.add_argument("--max-queue", type=number(int, at_least=0), default=64, metavar="N",
                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
     p.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--drain-timeout", type=number(float, at_least=0), default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
-    _add_placement_args(p)
+    p.add_argument("--request-timeout", type=number(float, above=0), default=10.0, metavar="SECONDS",
+                   help="how long a request's headers and body may take to arrive, and its chat template and "
+                        "tokenizing to run, before it is refused (default 10)")
+    _add_placement_args(p, context_default="the model's, at most 4096")
     return p
 
 
@@ -96,9 +149,10 @@ def _add_prepare(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize text/JSONL files into a token file for training",
                        description="A .jsonl file gives one document per line (its \"text\" field); "
                                    "any other file is one document.", epilog=EPILOG)
-    p.add_argument("inputs", nargs="+", metavar="FILE|GLOB")
+    p.add_argument("inputs", nargs="+", metavar="FILE|GLOB", help="text or .jsonl files, or quoted glob patterns")
     p.add_argument("--out", required=True, metavar="FILE", help="token file to write")
-    p.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json",
+                   help="byte, or a Hugging Face tokenizer.json file (default %(default)s)")
     return p
 
 
@@ -128,7 +182,7 @@ def _add_doctor(sub) -> argparse.ArgumentParser:
 def _add_plot(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw a run's loss, tokens/s and memory as PNG files (extra [plot])",
                        epilog=EPILOG)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
     return p
 
@@ -137,34 +191,86 @@ def _add_plan(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict memory per device and step time for layouts; write a config",
                        description="Predict, for each layout, memory per device term by term and the step "
                                    "time; rank those that fit and say why the others do not.", epilog=EPILOG)
-    p.add_argument("--model", required=True, metavar="PRESET|HF_FOLDER|CONFIG.toml")
-    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices (CPU workers for --gpu cpu)")
-    p.add_argument("--gpu", default="H100-80GB", metavar="NAME", help="device kind, or cpu (default H100-80GB)")
-    p.add_argument("--nodes", type=int, metavar="K", help="machines the devices are spread over")
-    p.add_argument("--seq-len", type=int, metavar="S")
-    p.add_argument("--global-batch", type=int, metavar="B", help="train: sequences per step; infer: concurrent sequences")
-    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--model", required=True, metavar="PRESET|HF_FOLDER|CONFIG.toml",
+                   help="a preset (e.g. llama-3-8b), a Hugging Face folder or an llmsplit training config")
+    p.add_argument("--gpus", type=COUNT, required=True, metavar="N", help="number of devices (CPU workers for --gpu cpu)")
+    p.add_argument("--gpu", default="H100-80GB", metavar="NAME", help="device kind, or cpu (default %(default)s)")
+    p.add_argument("--nodes", type=COUNT, metavar="K", help="machines the devices are spread over (default: as few "
+                   "as hold --gpus devices of this kind)")
+    p.add_argument("--seq-len", type=COUNT, metavar="S", help="tokens per sequence (default: the config's, else the "
+                   "model's context up to 2048 for train, 8192 for infer)")
+    p.add_argument("--global-batch", type=COUNT, metavar="B", help="train: sequences per step (default: the config's, "
+                   "else 4 per device); infer: concurrent sequences (default 1)")
+    p.add_argument("--mode", default="train", choices=("train", "infer"), help="plan training or inference "
+                   "(default %(default)s)")
     p.add_argument("--precision", metavar="fp32|bf16|fp16", help="default: bf16 on GPUs, fp32 on cpu, or the config's")
-    p.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1")
-    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    p.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1 "
+                   "(default: every layout)")
+    p.add_argument("--top", type=COUNT, default=5, metavar="K", help="layouts to show (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config")
+    p.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config "
+                   "(default: write nothing)")
     return p
 
 
-def _add_placement_args(p: argparse.ArgumentParser) -> None:
-    """Where a model for generation lives: the same flags for `generate` and `serve`."""
+def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None:
+    """Where a model for generation lives: the same flags for `generate` and `serve`
+    (`context_default` says what each does without --max-context)."""
     p.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
                    help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
-    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
-    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N worker processes")
-    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages over N worker processes")
+    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB "
+                   "(default: the free memory of each device)")
+    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget; the files "
+                   "written there are removed at the end, and the folder if llmsplit made it (default: no disk offload)")
+    p.add_argument("--tp", type=COUNT, default=1, metavar="N",
+                   help="tensor parallel over N worker processes (default %(default)s)")
+    p.add_argument("--pp", type=COUNT, default=1, metavar="N",
+                   help="pipeline stages over N worker processes (default %(default)s)")
     p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
-    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence the KV cache holds (default "
-                   "the model's, at most 4096)")
+    p.add_argument("--max-context", type=number(int, at_least=2), metavar="N", help="tokens per sequence the KV "
+                   f"cache holds (default: {context_default})")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
                    "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
+
+
+class _ConfigKeysAction(argparse.Action):
+    """`llmsplit train --help-config`: print `config_keys_text()` and exit, as --help does."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(0, config_keys_text())
+
+
+def config_keys_text() -> str:
+    """Every config key with its type and default, read from the config dataclasses (so the
+    list cannot drift from what `--set` accepts), with the allowed values where fixed."""
+    import dataclasses
+
+    from .config import CHOICES, Config
+    from .layout.spec import CHECKPOINTING, OFFLOADS, SCHEDULES
+
+    choices = {**CHOICES, "parallel.pp_schedule": SCHEDULES, "memory.activation_checkpoint": CHECKPOINTING,
+               "memory.offload": OFFLOADS}
+    lines = ["Config keys: a [SECTION] of a TOML file, or --set SECTION.KEY=VALUE. Unset keys take their value",
+             "from elsewhere (model.* from the preset or the model.hf folder); parallel.dp -1: the workers left",
+             "after tp and pp."]
+    for section in dataclasses.fields(Config):
+        lines.append(f"\n[{section.name}]")
+        for f in dataclasses.fields(section.default_factory()):
+            default = getattr(section.default_factory(), f.name)
+            shown = "unset" if default is None else _toml_text(default)
+            allowed = choices.get(f"{section.name}.{f.name}")
+            lines.append(f"  {section.name + '.' + f.name:<32} {str(f.type):<14} default {shown}"
+                         + (f"; one of {', '.join(allowed)}" if allowed else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _toml_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 # In the order `llmsplit --help` lists them.

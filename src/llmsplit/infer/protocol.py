@@ -2,13 +2,13 @@
 
 Fields follow OpenAI's reference for /v1/completions and /v1/chat/completions, with vLLM's
 `top_k` and `ignore_eos` extensions; fields that would change the answer but are not
-implemented (n > 1, logprobs, echo) are refused rather than silently ignored, and the rest
-of OpenAI's optional fields (user, metadata, ...) are accepted and ignored, as vLLM does.
+implemented (`UNSUPPORTED`) are refused rather than silently ignored, and the rest of
+OpenAI's optional fields (user, metadata, ...) are accepted and ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,12 +26,27 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Fields that would change the answer but are not implemented yet, each with the value that
+# asks for nothing (clients often send defaults explicitly): any other value is refused with a
+# 400 naming the field. A field leaves this table when it is implemented.
+UNSUPPORTED: dict[str, Any] = {
+    "n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
+    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "min_tokens": 0,
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "response_format": {"type": "text"},
+    "repetition_penalty": 1, "min_p": 0,  # vLLM's extensions, next to its top_k and ignore_eos
+}
+HINTS = {"n": "; send n separate requests"}
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept so that UNSUPPORTED fields can be refused
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -39,18 +54,23 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = 1
-    logprobs: bool | int | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; send n separate requests", "n")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported by this server", "logprobs")
+        """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
+        for name, off in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value != off:
+                raise APIError(400, f"{name}={_short(value)} is not supported by this server{HINTS.get(name, '')}",
+                               name, code="unsupported_parameter")
+        where = _lone_surrogate(self.model_dump(), "")
+        if where is not None:
+            # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer can encode that.
+            raise APIError(400, f"{where or 'the request'} holds a lone UTF-16 surrogate (an unpaired \\uD800-"
+                                f"\\uDFFF escape), which is not Unicode text", where or None)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -61,12 +81,6 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by this server", "echo")
 
 
 class TextPart(BaseModel):
@@ -88,3 +102,46 @@ class Message(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+
+def check_fits(prompt_lengths: list[int], max_tokens: int, max_context: int, most_sequences: int,
+               prompt_param: str) -> None:
+    """A 400 for a request this server could never hold, which would otherwise wait (or get 429)
+    forever or be cut short silently: more prompts than the batch and the queue hold together,
+    or a prompt plus max_tokens beyond the context (a 400 in OpenAI's API too)."""
+    if len(prompt_lengths) > most_sequences:
+        raise APIError(400, f"{len(prompt_lengths)} prompts in one request, but this server holds at most "
+                            f"{most_sequences} sequences at once (--max-batch plus --max-queue); send fewer",
+                       prompt_param)
+    longest = max(prompt_lengths, default=0)
+    if longest >= max_context:
+        raise APIError(400, f"the prompt has {longest} tokens but this model's context holds {max_context}; "
+                            f"shorten it", prompt_param, code="context_length_exceeded")
+    if longest + max_tokens > max_context:
+        raise APIError(400, f"this model's maximum context length is {max_context} tokens, but {longest + max_tokens} "
+                            f"were requested ({longest} in the prompt, {max_tokens} for the completion); lower "
+                            f"max_tokens to at most {max_context - longest}", "max_tokens",
+                       code="context_length_exceeded")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _lone_surrogate(value, where: str) -> str | None:
+    """The dotted path of the first string in `value` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, where) if isinstance(key, str) else None
+        if found is None:
+            found = _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None

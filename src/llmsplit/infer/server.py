@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP server over the engine (`llmsplit serve`).
 
-The event loop only parses, tokenizes and relays: a `Scheduler` thread owns the engine and
-batches every live request (continuous batching), and text comes back to each request's
-asyncio queue as the engine makes it final. One process serves; with --tp/--pp it is rank
+The event loop only parses and relays: chat templates and tokenizing run in worker threads
+under a time limit (time_limit.py), a `Scheduler` thread owns the engine and batches every
+live request (continuous batching), and text comes back to each request's asyncio queue as
+the engine makes it final. One process serves; with --tp/--pp it is rank
 0 of the split model and its worker processes follow the scheduler's steps.
 
-Safety at the edge (`_Gate`, before any parsing): /v1 routes need the API key when one is
-set, bodies are capped in size, and every refusal is a 4xx in OpenAI's error shape. SIGTERM
+Safety at the edge (edge.py, before any parsing): /v1 routes need the API key when one is
+set, bodies are capped in size, heads and bodies must arrive within the request timeout, and
+every refusal is a 4xx in OpenAI's error shape. SIGTERM
 or Ctrl-C stops accepting connections, lets in-flight requests finish for up to the drain
 timeout, then aborts the rest (their clients get an error event) and frees the model.
 """
@@ -14,7 +16,6 @@ timeout, then aborts the rest (their clients get an error event) and frees the m
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import signal
 import socket
@@ -23,6 +24,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,9 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
+from .edge import Gate, TimedH11Protocol
 from .engine import SamplingParams
-from .protocol import APIError, ChatRequest, CompletionRequest
+from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .scheduler import QueueFull, Request as Work, Scheduler
+from .time_limit import OffLoop, TimeLimitExceeded
 
 RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
 
@@ -52,84 +56,27 @@ class _Channel:
             pass
 
 
-class _Gate:
-    """ASGI middleware: API key on /v1, body size cap, and response counts by status."""
-
-    def __init__(self, app, api_key: str | None, max_body: int, statuses: dict[int, int]):
-        self.app, self.api_key, self.max_body, self.statuses = app, api_key, max_body, statuses
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                self.statuses[message["status"]] = self.statuses.get(message["status"], 0) + 1
-            await send(message)
-
-        headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await _error(APIError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
-                                             code="invalid_api_key"), counted_send)
-        try:
-            declared = int(headers.get(b"content-length", 0))
-        except ValueError:
-            return await _error(APIError(400, "the Content-Length header is not a number"), counted_send)
-        too_large = APIError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
-        if declared > self.max_body:
-            return await _error(too_large, counted_send)
-        # Read the body here, capped, then replay it: a chunked upload has no length to check
-        # up front. Later receive() calls pass through, so disconnects are still seen.
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left while sending
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body:
-                return await _error(too_large, counted_send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, counted_send)
-
-
-async def _error(err: APIError, send) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 class Server:
     """The app's state and routes over one loaded model."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
-                 max_body: int = 1 << 20, announce: str | None = None):
-        if max_queue < 0 or max_body < 1:
-            raise ConfigError(f"--max-queue {max_queue} must be 0 or more and --max-request-size {max_body} positive")
+                 max_body: int = 1 << 20, announce: str | None = None, request_timeout: float = 10.0):
+        if max_queue < 0 or max_body < 1 or not request_timeout > 0:
+            raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body} and "
+                              f"--request-timeout {request_timeout} positive")
         self.model, self.name, self.announce = model, name, announce
         self.engine = model.engine
         # A broken template fails the start, not every chat request.
         compile_template(self.engine.tokenizer.chat_template or DEFAULT_TEMPLATE)
         self.scheduler = Scheduler(self.engine, max_queue)
+        self.off_loop = OffLoop(request_timeout)
         self.statuses: dict[int, int] = {}
         self.created = int(time.time())
-        self.app = self._app(api_key, max_body)
+        self.app = self._app(api_key, max_body, request_timeout)
 
     # ------------------------------------------------------------ app
 
-    def _app(self, api_key, max_body):
+    def _app(self, api_key, max_body, request_timeout):
         @asynccontextmanager
         async def lifespan(app):
             self.scheduler.start()
@@ -149,7 +96,8 @@ class Server:
         app.post("/v1/chat/completions")(self.chat)
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
-        app.add_middleware(_Gate, api_key=api_key, max_body=max_body, statuses=self.statuses)
+        app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=request_timeout,
+                           statuses=self.statuses)
         return app
 
     # ------------------------------------------------------------ routes
@@ -172,6 +120,8 @@ class Server:
                self.scheduler.finished_requests)
         metric("requests_failed_total", "counter", "Generation requests failed by the engine or shutdown.",
                self.scheduler.failed_requests)
+        metric("requests_preparing", "gauge", "Requests in their chat template or tokenizer (worker threads).",
+               self.off_loop.active)
         metric("requests_running", "gauge", "Sequences in the running batch.", c["running"])
         metric("requests_waiting", "gauge", "Sequences accepted and waiting for a batch slot (queue length).",
                c["waiting"])
@@ -195,21 +145,25 @@ class Server:
         self._check_model(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = await self._off_loop("prompt", "tokenizing the prompt", _encode_all, self.engine.tokenizer, prompts)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for p in ids for t in p):
             # Checked here: a bad id would fail the whole batch's step, not just this request.
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        params = self._params(body, body.max_tokens or 16, body.stops())  # 16: OpenAI's default
-        return await self._answer(request, ids, params, body, chat=False)
+        max_tokens = body.max_tokens or 16  # OpenAI's default
+        check_fits([len(p) for p in ids], max_tokens, self.engine.max_context, self._most_sequences(), "prompt")
+        return await self._answer(request, ids, self._params(body, max_tokens, body.stops()), body, chat=False)
 
     async def chat(self, body: ChatRequest, request: Request):
         body.refuse_unsupported()
         self._check_model(body.model)
-        ids, template_stops = chat_prompt([m.as_template_input() for m in body.messages], self.engine.tokenizer)
+        ids, template_stops = await self._off_loop("messages", "rendering the chat template", chat_prompt,
+                                                   [m.as_template_input() for m in body.messages],
+                                                   self.engine.tokenizer)
         room = max(1, self.engine.max_context - len(ids))  # no limit given: up to the end of the context
-        params = self._params(body, body.max_completion_tokens or body.max_tokens or room,
-                              body.stops() + template_stops)
+        max_tokens = body.max_completion_tokens or body.max_tokens or room
+        check_fits([len(ids)], max_tokens, self.engine.max_context, self._most_sequences(), "messages")
+        params = self._params(body, max_tokens, body.stops() + template_stops)
         return await self._answer(request, [ids], params, body, chat=True)
 
     # ------------------------------------------------------------ helpers
@@ -217,6 +171,17 @@ class Server:
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "llmsplit",
                 "max_model_len": self.engine.max_context}
+
+    async def _off_loop(self, param: str, what: str, fn, *args):
+        try:
+            return await self.off_loop.run(fn, *args)
+        except TimeLimitExceeded:
+            raise APIError(400, f"{what} took longer than {self.off_loop.seconds:g} s (--request-timeout) and was "
+                                f"stopped; the model's chat template may loop, or the input is too large", param,
+                           code="request_timeout") from None
+
+    def _most_sequences(self) -> int:
+        return self.engine.max_batch + self.scheduler.max_queue
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -363,8 +328,11 @@ _ERRORS = {
                                   type="rate_limit_error", headers={"Retry-After": RETRY_AFTER_S}),
     StarletteHTTPException: lambda e: APIError(e.status_code, str(e.detail),
                                                type="invalid_request_error" if e.status_code < 500 else "server_error"),
-    Exception: lambda e: APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"),
-}
+}  # any other exception is a 500, answered (and counted) by edge.Gate
+
+
+def _encode_all(tokenizer, prompts) -> list[list[int]]:
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -383,7 +351,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, api_key: str | None = None,
-          max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, **load_kwargs) -> None:
+          max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, request_timeout: float = 10.0,
+          **load_kwargs) -> None:
     """Load the model (`llmsplit.load` arguments in load_kwargs) and serve it until SIGTERM/Ctrl-C."""
     from .api import load
 
@@ -400,9 +369,10 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
             url_host = f"[{where[0]}]" if ":" in where[0] else where[0]
             server = Server(model, name, max_queue, api_key, max_body,
                             announce=f"llmsplit: serving {name!r} at http://{url_host}:{where[1]}/v1 "
-                                     f"(SIGTERM or Ctrl-C to stop)")
+                                     f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=drain_timeout)
+                                    timeout_graceful_shutdown=drain_timeout,
+                                    http=partial(TimedH11Protocol, head_timeout=request_timeout))
             try:
                 uvicorn.Server(config).run(sockets=[sock])
             finally:
