@@ -21,13 +21,17 @@ OOM_HINT = "apply one of the changes above with --set (or raise memory.limit_byt
 
 def train(config: str | Path | Config | None = None, nproc: int | None = None, run_dir: str | Path | None = None,
           resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int = 1, node_rank: int = 0,
-          master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0) -> TrainResult:
+          master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
+          resume_changed: bool = False) -> TrainResult:
     """Train as `config` says (a .toml path, a Config, or None for the built-in defaults),
     with `overrides` ("KEY=VALUE", as `--set`) on top. `resume`: "none", "auto" (the newest
-    checkpoint in `run_dir`) or a run folder or checkpoint. Raises ConfigError before any
-    worker starts when the run cannot work, TrainingFailed when a worker fails."""
+    checkpoint in `run_dir`) or a run folder or checkpoint; a resume whose tokenizer, data,
+    sequence length, global batch or seed differ from the checkpoint's is refused unless
+    `resume_changed` (summary.json then records the change). Raises ConfigError before any
+    worker starts when the run cannot work (a damaged checkpoint, a run folder in use by
+    another run), TrainingFailed when a worker fails."""
     job = prepare_job(config, overrides, run_dir, resume,
-                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts))
+                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed)
     if auto:
         _apply_auto(job)
     check_job(job)

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import io
 import pickle
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from .run_dir import METADATA_FILE
-
 
 
 class UnsafeCheckpoint(ValueError):
@@ -56,10 +57,22 @@ class SafeReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UnsafeCheckpoint(f"{METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata")
+        _check_inside(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_inside(metadata: dcp_metadata.Metadata) -> None:
+    """Every data file the metadata names must be a plain file name inside the checkpoint
+    folder: DCP joins the name to the folder, so "../x" or "/etc/passwd" would be opened
+    wherever it points. DCP itself only ever writes flat names (`__0_0.distcp`)."""
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise UnsafeCheckpoint(f"{METADATA_FILE} names the data file {name!r}, which is not a file inside the "
+                                   f"checkpoint folder")
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -72,9 +85,27 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class CheckpointFailed(RuntimeError):
+    """A DCP save or load failed; the message names the first rank that failed and its error."""
+
+
+@contextmanager
+def plain_errors(doing: str):
+    """DCP reports a failed save or load as a CheckpointException, which derives from
+    BaseException: torch's error recording (`record`) and multiprocessing's worker wrapper
+    catch only Exception, so a worker dying of one was reported as "exit code 1" and its
+    message lost. Raise a plain exception instead (the original stays its __cause__)."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (error, _) = min(e.failures.items())
+        raise CheckpointFailed(f"{doing} failed on rank {rank}: {type(error).__name__}: {error}") from e
+
+
 def load(state: dict, path: str | Path) -> None:
     """`dcp.load` in place, through the safe reader and planner."""
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    with plain_errors(f"loading {path}"):
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
 
 
 def read_metadata(path: str | Path) -> dcp_metadata.Metadata:

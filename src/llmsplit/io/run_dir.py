@@ -3,14 +3,16 @@
 A checkpoint `step_<N>/` is complete only when it holds `train_state.json`: the trainer
 writes into a hidden temporary folder and renames it when every rank has finished, so
 a crash mid-write never leaves a folder that looks complete. Resuming also checks what the
-marker cannot vouch for (a folder copied in part, a disk that filled up): the metadata
-must be readable and every data file as long as the metadata says.
+marker cannot vouch for (a folder copied in part, a disk that filled up, a file damaged in
+place): the metadata must be readable and name only files inside the folder, and every data
+file must be as long as the metadata says and match the checksum recorded when it was saved.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from ..config import Config, ConfigError, load_config
@@ -34,6 +36,7 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` cannot be resumed from, in a few words, or None when it can."""
+    from .checksums import first_mismatch
     from .dcp_files import UnsafeCheckpoint, read_metadata, storage_problem  # torch.distributed.checkpoint: slow
     path = Path(path)
     if not path.exists():
@@ -55,7 +58,8 @@ def checkpoint_problem(path: Path) -> str | None:
         return str(e)
     except Exception as e:  # a damaged pickle raises anything from EOFError to KeyError
         return f"its {METADATA_FILE} cannot be read ({type(e).__name__}: {e})"
-    return storage_problem(path, metadata)
+    # Checkpoints saved before llmsplit recorded checksums have no "files": sizes only.
+    return storage_problem(path, metadata) or ("files" in state and first_mismatch(path, state["files"])) or None
 
 
 def newest_checkpoint(ck_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -77,6 +81,45 @@ def newest_checkpoint(ck_dir: str | Path) -> tuple[Path | None, list[tuple[Path,
     return None, skipped
 
 
+def usable_checkpoint(ck_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """`newest_checkpoint`, refusing to go on when there are checkpoints but none can be
+    used: starting again from step 0 would replace the run's metrics and let retention
+    delete the damaged checkpoints, which may be all that is left of the run."""
+    newest, skipped = newest_checkpoint(ck_dir)
+    if newest is None and skipped:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise ConfigError(f"--resume auto: no checkpoint in {str(ck_dir)!r} can be used ({listed}); resume from "
+                          f"a good copy with --resume PATH, or move these away to start the run again from step 0")
+    return newest, skipped
+
+
+def warn_skipped(skipped: list[tuple[Path, str]]) -> None:
+    for path, why in skipped:
+        print(f"llmsplit: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl. A line that is not one JSON object (what a crash or a
+    full disk leaves at the end) is dropped with a warning instead of failing every reader."""
+    path = Path(path)
+    records = []
+    if not path.exists():
+        return records
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError:
+            print(f"llmsplit: warning: dropping line {n} of {path}, which is cut off or damaged: {line[:60]!r}",
+                  file=sys.stderr, flush=True)
+            continue
+        records.append(record)
+    return records
+
+
 def list_checkpoints(ck_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under `ck_dir`, oldest first."""
     ck_dir = Path(ck_dir)
@@ -87,6 +130,27 @@ def list_checkpoints(ck_dir: str | Path) -> list[tuple[int, Path]]:
             if m and is_complete_checkpoint(p):
                 found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def finished_steps(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` got anywhere: a logged step, a checkpoint (finished or
+    not) or a summary. A run that failed before its first step (a wrong tokenizer, a
+    worker that could not start) leaves only config.toml and may be started again."""
+    run_dir = Path(run_dir)
+    if (run_dir / SUMMARY_FILE).exists() or _has_logged_step(run_dir / METRICS_FILE):
+        return True
+    try:
+        ck_dir = checkpoint_dir(read_run_config(run_dir), run_dir)
+    except (ConfigError, OSError, ValueError):  # a config.toml that cannot be read: the default place
+        ck_dir = run_dir / "checkpoints"
+    return ck_dir.is_dir() and any(_STEP_DIR.match(p.name) or _TMP_DIR.match(p.name) for p in ck_dir.iterdir())
+
+
+def _has_logged_step(path: Path) -> bool:
+    if not path.exists():
+        return False
+    with open(path, errors="replace") as f:
+        return any(line.strip() for line in f)
 
 
 def read_run_config(run_dir: str | Path) -> Config:
@@ -112,7 +176,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     cfg = read_run_config(path)
     newest, skipped = newest_checkpoint(checkpoint_dir(cfg, path))
     if newest is None:
-        damaged = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""
+        damaged = f" ({'; '.join(f'{p.name}: {why}' for p, why in skipped)})" if skipped else ""
         raise ConfigError(f"run folder {str(path)!r} has no usable checkpoint{damaged}; train it to the end "
                           f"or set checkpoint.every")
+    warn_skipped(skipped)  # an older checkpoint stands in for the damaged newer ones: say so
     return path, newest

@@ -5,6 +5,7 @@ what the workers return, or the figures of the one that failed, handed back as d
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -41,6 +42,8 @@ class TrainJob:
     resume_from: Path | None  # the checkpoint named, or (after check_job) the newest one for "auto"
     workers: Workers
     torchrun: bool
+    resume_changed: bool = False  # --resume-changed: the inputs may differ from the checkpoint's
+    resume_changes: dict = field(default_factory=dict)  # what differs (resume_check.resume_changes), for the summary
 
 
 @dataclass
@@ -76,7 +79,7 @@ class TrainingFailed(RuntimeError):
 
 
 def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Path | None, resume: str,
-                workers: Workers) -> TrainJob:
+                workers: Workers, resume_changed: bool = False) -> TrainJob:
     """The config loaded and the model sized; `check_job` follows once the layout is final."""
     from ..data.corpus import check_source
     from ..io.run_dir import CONFIG_FILE
@@ -106,12 +109,13 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     check_source(cfg.data.source)
     return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
-                    torchrun)
+                    torchrun, resume_changed)
 
 
 def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchrun: bool) -> Path | None:
     """Refuse arguments that cannot work; returns the checkpoint that `resume` names, if any."""
-    from ..io.run_dir import CONFIG_FILE, METRICS_FILE, resolve_checkpoint
+    from ..io.run_dir import CONFIG_FILE, finished_steps, resolve_checkpoint
+    from .run_lock import check_free
 
     w = workers
     if w.nproc is not None and w.nproc < 1:
@@ -126,13 +130,18 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
+    if run_dir is not None and (not torchrun or int(os.environ["RANK"]) == 0):
+        check_free(run_dir)  # a run in progress is named before anything else is said about its folder
     if resume == "auto" and run_dir is None:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
     # A damaged or missing checkpoint is refused here, before any worker starts.
     resume_from = resolve_checkpoint(resume)[1] if resume not in ("auto", "none") else None
-    if run_dir is not None and resume == "none" and any((run_dir / f).exists() for f in (CONFIG_FILE, METRICS_FILE)):
-        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
-                          f"or choose another --run-dir")
+    if run_dir is not None and resume == "none" and (run_dir / CONFIG_FILE).is_file():
+        if finished_steps(run_dir):
+            raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
+                              f"or choose another --run-dir")
+        print(f"llmsplit: --run-dir {run_dir} holds a run that never finished a step; starting it again",
+              file=sys.stderr, flush=True)
     return resume_from
 
 
@@ -155,35 +164,88 @@ def _use_pretrained_sizes(cfg: Config) -> None:
 def check_job(job: TrainJob) -> None:
     """Everything that can be refused before a worker starts, on the final layout; fills in
     the derived values (parallel.dp, the model's sizes) that the workers read."""
-    from ..io.run_dir import checkpoint_dir, newest_checkpoint
+    from ..io.run_dir import checkpoint_dir, usable_checkpoint
 
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
     record_model_sizes(job.cfg, job.model_cfg)
     if job.resume == "auto":  # the workers warn about the checkpoints skipped
-        job.resume_from = newest_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
+        job.resume_from = usable_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
     if job.resume_from is not None:
         from .checkpoint import check_fits
 
         check_fits(job.resume_from, job.model_cfg)
+        _check_resumed_inputs(job)
+
+
+def _check_resumed_inputs(job: TrainJob) -> None:
+    """Refuse a resume whose tokenizer, data, sequence length, global batch or seed differ
+    from the checkpoint's, unless `resume_changed`; then say what changed and keep it for
+    the summary."""
+    import json
+
+    from ..io.run_dir import STATE_FILE
+    from .resume_check import RESUME_CHANGED_FLAG, describe, resume_changes
+
+    changes = resume_changes(json.loads((job.resume_from / STATE_FILE).read_text()), job.cfg)
+    if changes and not job.resume_changed:
+        raise ConfigError(f"checkpoint {str(job.resume_from)!r} was trained on other inputs: {describe(changes)}; "
+                          f"resume with the values it had, or pass {RESUME_CHANGED_FLAG} to continue with the new "
+                          f"ones (summary.json records the change)")
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        print(f"llmsplit: warning: {RESUME_CHANGED_FLAG}: continuing {job.resume_from} with {describe(changes)}",
+              file=sys.stderr, flush=True)
+    job.resume_changes = changes
 
 
 def run_job(job: TrainJob) -> TrainResult:
     """Run the checked job: inside torchrun this process is one of the workers; otherwise
-    it starts this machine's workers and waits for them. Raises TrainingFailed."""
-    from .entry import default_run_dir, run_worker
-    from .limits import MemoryLimitExceeded
+    it starts this machine's workers and waits for them. The run folder is locked for the
+    whole job by the process that launches it (rank 0 inside torchrun, node 0 otherwise).
+    Raises TrainingFailed."""
+    from .entry import default_run_dir
+    from .run_files import amend_summary
+    from .run_lock import holding
 
     cfg, w = job.cfg, job.workers
-    config_text = to_toml(cfg)
     if job.torchrun:
         # Every rank proposes a run folder and rank 0's is taken, so rank 0 knows where it is.
         run_dir = job.run_dir or default_run_dir(cfg.model.preset)
-        try:
-            summary = run_worker(config_text, str(run_dir), job.resume)
-        except MemoryLimitExceeded as e:
-            raise TrainingFailed(str(e), out_of_memory=e.details) from None
-        return TrainResult.of(run_dir if summary is not None else job.run_dir, summary)
-    run_dir = job.run_dir or (default_run_dir(cfg.model.preset) if w.nnodes == 1 else None)
+        locks = int(os.environ["RANK"]) == 0
+    else:
+        run_dir = job.run_dir or (default_run_dir(cfg.model.preset) if w.nnodes == 1 else None)
+        locks = run_dir is not None and w.node_rank == 0
+    with holding(run_dir) if locks else contextlib.nullcontext():
+        result = _run_in_torchrun(job, run_dir) if job.torchrun else _run_local(job, run_dir)
+    if job.resume_changes and result.summary is not None and result.run_dir is not None:
+        result.summary["resumed_with_changes"] = job.resume_changes
+        amend_summary(result.run_dir, resumed_with_changes=job.resume_changes)
+    return result
+
+
+def _worker_args(job: TrainJob, run_dir: Path | None) -> tuple:
+    # A checkpoint named by --resume was resolved (a run folder to its newest checkpoint)
+    # and checked before the workers start: they load that one.
+    resume = job.resume if job.resume in ("auto", "none") else str(job.resume_from)
+    return to_toml(job.cfg), str(run_dir) if run_dir else None, resume
+
+
+def _run_in_torchrun(job: TrainJob, run_dir: Path) -> TrainResult:
+    from .entry import run_worker
+    from .limits import MemoryLimitExceeded
+
+    try:
+        summary = run_worker(*_worker_args(job, run_dir))
+    except MemoryLimitExceeded as e:
+        raise TrainingFailed(str(e), out_of_memory=e.details) from None
+    return TrainResult.of(run_dir if summary is not None else job.run_dir, summary)
+
+
+def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
+    from ..io.disk_full import NoSpaceLeft
+    from .entry import run_worker
+    from .limits import MemoryLimitExceeded
+
+    w = job.workers
     nproc = w.nproc or default_nproc()
     if nproc > 1 and start_method() == "fork":
         # Forked workers inherit what is imported here: import the trainer (DTensor, DCP:
@@ -192,13 +254,16 @@ def run_job(job: TrainJob) -> TrainResult:
     print(f"llmsplit: training on {job.world} worker(s) ({nproc} on this machine); run dir "
           f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
     try:
-        returned = launch(run_worker, (config_text, str(run_dir) if run_dir else None, job.resume), nproc=nproc,
-                          nnodes=w.nnodes, node_rank=w.node_rank, master_addr=w.master_addr,
-                          master_port=w.master_port, max_restarts=w.max_restarts, timeout_s=cfg.train.timeout_s)
+        returned = launch(run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
+                          node_rank=w.node_rank, master_addr=w.master_addr, master_port=w.master_port,
+                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s)
     except LaunchError as e:
         if e.error_type == MemoryLimitExceeded.__name__:
             raise TrainingFailed(str(e), out_of_memory=e.details) from None
-        hint = e.hint or (f"the worker's traceback is printed above; `--resume auto --run-dir {run_dir}` "
-                          f"continues from the newest checkpoint")
+        resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
+        if e.error_type == NoSpaceLeft.__name__:
+            hint = f"once the disk of {e.details['path']} has room again, {resume}"
+        else:
+            hint = e.hint or f"the worker's traceback is printed above; {resume}"
         raise TrainingFailed(str(e), hint) from None
     return TrainResult.of(run_dir, returned.get(0))  # global rank 0's summary, on node 0

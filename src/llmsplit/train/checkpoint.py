@@ -3,8 +3,10 @@
 Model and optimizer state are saved by parameter name (`get_model_state_dict` /
 `get_optimizer_state_dict`), never by rank, so a checkpoint is readable under another
 layout or world size. The trainer's own state (step, data position, RNG, LR schedule)
-is a small JSON file. Writes go to a hidden temporary folder that rank 0 renames once
-every rank has finished: the final name appears only for a complete checkpoint.
+is a small JSON file, which also records the size and CRC-32 of every data file (checked
+before a resume or a load: io/checksums.py). Writes go to a hidden temporary folder that
+rank 0 renames once every rank has finished: the final name appears only for a complete
+checkpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import ConfigError
 from ..io import dcp_files
-from ..io.run_dir import STATE_FILE, list_checkpoints
+from ..io.checksums import file_records
+from ..io.disk_full import writing
+from ..io.run_dir import METADATA_FILE, STATE_FILE, list_checkpoints
 from ..models.llama import Transformer
 from ..parallel.data_parallel import local_optimizer
 
@@ -44,26 +48,51 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
     final = ck_dir / f"step_{step}"
     tmp = ck_dir / f".step_{step}.tmp"
     rank0 = dist.get_rank() == 0
+    doing = f"saving the checkpoint of step {step}"
     if rank0:
-        ck_dir.mkdir(parents=True, exist_ok=True)
+        with writing(ck_dir, doing):
+            ck_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
     dist.barrier()
     state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(tmp))
+    with writing(tmp, doing), dcp_files.plain_errors(doing):
+        dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
+    files = _checksums(tmp)
     if rank0:
-        full_state = dict(train_state, rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
-        with open(tmp / STATE_FILE, "w") as f:
+        full_state = dict(train_state, rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                          files=files)
+        with writing(tmp, doing), open(tmp / STATE_FILE, "w") as f:
             json.dump(full_state, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         if final.exists():  # a re-run of the same step (after a restart) replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for _, old in list_checkpoints(ck_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _drop_old(ck_dir, step, keep)
     dist.barrier()
     return final
+
+
+def _checksums(folder: Path) -> dict:
+    """Size and CRC-32 of every file of the checkpoint just written (each rank checks its
+    share of the data files), gathered on every rank; rank 0 records them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = sorted(p.name for p in folder.iterdir() if p.name.endswith(".distcp"))
+    mine = file_records(folder, data[rank::world] + ([METADATA_FILE] if rank == 0 else []))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {name: record for part in gathered for name, record in sorted(part.items())}
+
+
+def _drop_old(ck_dir: Path, step: int, keep: int) -> None:
+    """Keep the checkpoint of `step`, just written and complete, and the `keep` - 1 before
+    it. Those of later steps (left when a run was resumed from an earlier checkpoint, say
+    because the newer ones were damaged) are neither counted nor deleted: they can never
+    crowd out the one good checkpoint, and evidence of damage is left for the user."""
+    older = [path for s, path in list_checkpoints(ck_dir) if s < step]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _optim_state(model, optimizer) -> dict:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..config import Config
-from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, newest_checkpoint, resolve_checkpoint
+from ..io.disk_full import writing
+from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, read_metrics, resolve_checkpoint, usable_checkpoint, warn_skipped
 from .entry import default_run_dir
 from .progress import Progress, print_summary
 
@@ -34,9 +35,8 @@ def resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path
         return None
     choice = [None]
     if rank0 and resume == "auto":
-        newest, skipped = newest_checkpoint(ck_dir)
-        for path, why in skipped:
-            print(f"llmsplit: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+        newest, skipped = usable_checkpoint(ck_dir)  # checkpoints but none usable: refused, not started over
+        warn_skipped(skipped)
         if newest is None:
             print(f"llmsplit: no checkpoint to resume from in {ck_dir}; starting at step 0", file=sys.stderr, flush=True)
         choice = [newest and str(newest)]
@@ -51,7 +51,7 @@ class MetricsLog:
     the last, and the progress bar or log line of every step."""
 
     def __init__(self, run_dir: Path, start_step: int, last_step: int, log_every: int):
-        path = run_dir / METRICS_FILE
+        self.path = path = run_dir / METRICS_FILE
         _trim_metrics(path, start_step)
         self.file = open(path, "a")
         self.progress = Progress(last_step, start_step)
@@ -59,8 +59,9 @@ class MetricsLog:
 
     def add(self, record: dict) -> None:
         if record["step"] % self.log_every == 0 or record["step"] == self.last_step:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            with writing(self.path, f"logging step {record['step']}"):
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
         self.progress.update(record)
 
     def close(self) -> None:
@@ -69,13 +70,14 @@ class MetricsLog:
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop logged steps after the checkpoint so the file reads as one run."""
+    """On resume, drop logged steps after the checkpoint (and a line cut off by a crash)
+    so the file reads as one run."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [record for record in read_metrics(path) if record["step"] <= last_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    with writing(path, "rewriting the metrics of a resumed run"):
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in keep))
     shutil.move(tmp, path)
 
 
@@ -104,11 +106,23 @@ def run_summary(cfg: Config, world: int, model_cfg, history: list[dict], per_ran
 
 
 def write_summary(summary: dict, run_dir: Path, first_loss: float | None) -> None:
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    with writing(run_dir / SUMMARY_FILE, "writing the run's summary"):
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     print_summary(summary, run_dir, first_loss)
 
 
+def amend_summary(run_dir: Path, **fields) -> None:
+    """Add `fields` to a written summary.json (what the launching process knows and the
+    workers do not), replacing the file at once so that a reader never sees half of it."""
+    path = Path(run_dir) / SUMMARY_FILE
+    summary = json.loads(path.read_text())
+    summary.update(fields)
+    tmp = path.with_suffix(".tmp")
+    with writing(path, "writing the run's summary"):
+        tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(path)
+
+
 def _last_logged_loss(run_dir: Path) -> float | None:
-    path = run_dir / METRICS_FILE
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return json.loads(lines[-1])["loss"] if lines else None
+    records = read_metrics(run_dir / METRICS_FILE)
+    return records[-1]["loss"] if records else None

@@ -38,6 +38,7 @@ from .init_from import load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .profile import StepProfiler, report as profile_report
+from .resume_check import run_inputs
 from .run_files import MetricsLog, agree_on_run_dir, resume_source, run_summary, write_summary
 
 
@@ -131,6 +132,7 @@ class Trainer:
         self.sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
                                     cfg.train.global_batch, cfg.train.seed)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
+        self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
         self.start_step = self._resume(resume)
 
         t = cfg.train
@@ -229,7 +231,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         c = self.cfg.parallel
         state = {"step": step, "lr": lr_at(step, self.cfg), "data": self.sampler.state_dict(next_step=step),
-                 "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp}}
+                 "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp},
+                 "inputs": self.inputs}
         save_checkpoint(self.ck_dir, step, self.pm.model, self.optimizer, state, self.cfg.checkpoint.keep)
 
     def _finish(self, history: list[dict], profiler: StepProfiler) -> dict | None:
