@@ -75,9 +75,21 @@ def test_tp_and_pp_checkpoints_continue_exactly_as_zero3(source, resumed, name, 
     assert_close_losses(losses(tmp_path / "run"), losses(source)[6:])
 
 
+def _flip(data: Path, offset: int = 4096, size: int = 4096) -> None:
+    """Damage `size` bytes in place, the file's size unchanged (what a bad disk sector or a
+    stray write leaves; the loss jumped from 2.78 to 6.09 on the next step when this went
+    unnoticed)."""
+    with open(data, "r+b") as f:
+        f.seek(offset)
+        block = f.read(size)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in block))
+
+
 def test_auto_resume_skips_damaged_checkpoints_and_takes_a_new_layout(source, tmp_path):
     """`--resume auto` continues a run from its own config.toml under --set parallel.tp=2,
-    passing over a half-written folder and a truncated checkpoint, with a warning each."""
+    passing over a half-written folder and a checkpoint with 4 KiB flipped inside a data
+    file, with a warning each, and over the cut-off last line of metrics.jsonl."""
     run = tmp_path / "run"
     shutil.copytree(source, run)
     (run / "summary.json").unlink()
@@ -85,13 +97,51 @@ def test_auto_resume_skips_damaged_checkpoints_and_takes_a_new_layout(source, tm
     (ck / "step_8").rename(ck / ".step_8.tmp")  # as if the crash came before the rename
     (ck / ".step_8.tmp" / "train_state.json").unlink()
     data = sorted((ck / "step_6").glob("*.distcp"))[-1]
-    data.write_bytes(data.read_bytes()[:100])
+    _flip(data)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 2.7')  # a crash in the middle of a line
     proc = train(run, "parallel.tp=2", nproc=2, extra=("--resume", "auto"))
     assert f"skipping checkpoint {ck / '.step_8.tmp'}: a write that never finished" in proc.stderr
-    assert f"skipping checkpoint {ck / 'step_6'}: data file {data.name} is truncated" in proc.stderr
+    assert f"skipping checkpoint {ck / 'step_6'}: data file {data.name} was changed or damaged after the save " \
+           f"(crc32 " in proc.stderr
+    assert f"dropping line 9 of {run / 'metrics.jsonl'}, which is cut off" in proc.stderr
     assert f"resumed from {ck / 'step_4'} at step 4" in proc.stderr
     assert_close_losses(losses(run), losses(source))
     assert json.loads((run / "summary.json").read_text())["layout"]["tp"] == 2
+
+
+def test_auto_resume_with_every_checkpoint_damaged_stops_and_deletes_nothing(source, tmp_path, capsys):
+    """Not a fresh start from step 0 (which replaced metrics.jsonl and let retention delete
+    the damaged checkpoints): exit 2, each checkpoint named with what is wrong with it."""
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    for ck in (run / "checkpoints").iterdir():
+        _flip(sorted(ck.glob("*.distcp"))[0])
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert main(["train", "--run-dir", str(run), "--resume", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"llmsplit: error: --resume auto: no checkpoint in "
+                                               f"{str(run / 'checkpoints')!r} can be used (step_8: data file "), err
+    assert all(f"{name}: data file __0_0.distcp was changed or damaged" in err[0]
+               for name in ("step_8", "step_6", "step_4")), err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_generate_and_export_refuse_a_damaged_checkpoint_and_fall_back_from_a_run(source, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    data = sorted((run / "checkpoints" / "step_8").glob("*.distcp"))[0]
+    _flip(data)
+    named = f"checkpoint {str(run / 'checkpoints' / 'step_8')!r} cannot be used: data file {data.name} was " \
+            f"changed or damaged after the save"
+    assert main(["generate", "--model", str(run / "checkpoints" / "step_8"), "--max-new-tokens", "2", "hi"]) == 2
+    assert named in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_8"), "--to", "hf",
+                 str(tmp_path / "hf")]) == 2
+    assert named in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    # The run folder: its newest good checkpoint, and a word about the one passed over.
+    assert main(["export", "--checkpoint", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert f"skipping checkpoint {run / 'checkpoints' / 'step_8'}: data file {data.name}" in capsys.readouterr().err
 
 
 def _damaged(source: Path, tmp_path: Path, how: str) -> Path:
@@ -106,7 +156,23 @@ def _damaged(source: Path, tmp_path: Path, how: str) -> Path:
         (ck / ".metadata").write_bytes((ck / ".metadata").read_bytes()[:300])
     elif how == "missing_data":
         sorted(ck.glob("*.distcp"))[-1].unlink()
+    elif how == "flipped":
+        _flip(sorted(ck.glob("*.distcp"))[0])
+    elif how in ("outside", "absolute"):
+        _point_data_at(ck, "../../outside.distcp" if how == "outside" else "/etc/passwd")
     return ck
+
+
+def _point_data_at(ck: Path, name: str) -> None:
+    """Rewrite the checkpoint's metadata so that its first data file is `name`."""
+    import dataclasses
+
+    from llmsplit.io.dcp_files import read_metadata
+
+    metadata = read_metadata(ck)
+    first = min(metadata.storage_data, key=str)
+    metadata.storage_data[first] = dataclasses.replace(metadata.storage_data[first], relative_path=name)
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
 @pytest.mark.parametrize("how,fragment", [
@@ -114,6 +180,9 @@ def _damaged(source: Path, tmp_path: Path, how: str) -> Path:
     ("no_marker", "it has no train_state.json (the write did not finish)"),
     ("half_metadata", "its .metadata cannot be read"),
     ("missing_data", "is missing"),
+    ("flipped", "was changed or damaged after the save (crc32 "),
+    ("outside", ".metadata names the data file '../../outside.distcp', which is not a file inside the checkpoint"),
+    ("absolute", ".metadata names the data file '/etc/passwd', which is not a file inside the checkpoint folder"),
 ])
 def test_resuming_a_damaged_checkpoint_is_refused_before_any_worker(source, tmp_path, capsys, how, fragment):
     ck = _damaged(source, tmp_path, how)
@@ -136,6 +205,47 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatching_tensor(source
     assert main(args + [x for s in (*MP, change) for x in ("--set", s)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not of this model: " + fragment in err[0], err
+
+
+def _tokenizer_of_258(path: Path) -> Path:
+    """A tokenizer.json with as many tokens as the byte tokenizer (258) and other ids for
+    them: two special tokens first, then the 256 byte symbols."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["ab"], trainers.BpeTrainer(vocab_size=258, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ("data.seq_len=16", "data.seq_len 32 then, 16 now"),
+    ("train.global_batch=4", "train.global_batch 8 then, 4 now"),
+    ("train.seed=7", "train.seed 0 then, 7 now"),
+    ("data.source=text:{tmp}/*.txt", "data.source 'builtin' then, 'text:{tmp}/*.txt' (files 1, content "),
+    ("data.tokenizer={tmp}/tokenizer.json", "data.tokenizer 'byte' (fingerprint byte) then, "
+                                            "'{tmp}/tokenizer.json' (fingerprint sha256:"),
+])
+def test_a_resume_on_other_inputs_is_refused_with_the_old_and_new_values(source, tmp_path, capsys, change,
+                                                                         fragment):
+    """train_state.json records what the checkpoint was trained on; a resume that changes it
+    is refused before any worker starts (the byte tokenizer swapped for another of 258
+    tokens took the loss from 2.78 to 10.47 when this was accepted)."""
+    (tmp_path / "a.txt").write_text("some other text to train on. " * 40)
+    tokenizer = _tokenizer_of_258(tmp_path / "tokenizer.json")
+    from llmsplit.io.tokenizer import load_tokenizer
+
+    assert load_tokenizer(str(tokenizer)).vocab_size == load_tokenizer("byte").vocab_size
+    ck = source / "checkpoints" / "step_4"
+    args = ["train", "--nproc", "1", "--run-dir", str(tmp_path / "run"), "--resume", str(ck)]
+    assert main(args + [x for s in (*MP, change.format(tmp=tmp_path)) for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {str(ck)!r} was trained on other inputs: " in err[0], err
+    assert fragment.format(tmp=tmp_path) in err[0] and "pass --resume-changed to continue" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 class _Payload:
