@@ -70,6 +70,8 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
     if not prompt:
         raise ConfigError("the prompt is empty; pass PROMPT words or text on standard input")
+    if args.system is not None and not args.chat:  # before the model loads
+        raise ConfigError("--system needs --chat: it is the system message of a chat; add --chat")
     source = open_weights(args.model)
     prompt = _prompt_ids(args, prompt, source.tokenizer)
     prompt_tokens = len(prompt)
@@ -93,8 +95,6 @@ def _prompt_ids(args, prompt: str, tokenizer) -> list[int]:
     in the model's own chat template, and the template's stop strings join --stop."""
     from .infer.chat import TemplateError, chat_prompt, render_chat
 
-    if args.system is not None and not args.chat:
-        raise ConfigError("--system needs --chat: it is the system message of a chat; add --chat")
     if not args.chat:
         if args.show_prompt:
             print(prompt, file=sys.stderr)

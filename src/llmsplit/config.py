@@ -110,6 +110,9 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
+    def __post_init__(self):
+        self.explicit: set[str] = set()  # keys a file or --set named (defaults for fine-tuning fill the others)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -170,6 +173,7 @@ def set_key(cfg: Config, dotted: str, value) -> None:
     if key not in known:
         raise ConfigError(f"unknown config key {dotted!r}; {section_name} has: {', '.join(known)}")
     setattr(section, key, _coerce(dotted, value, known[key].type))
+    cfg.explicit.add(dotted)
 
 
 def _sections() -> list[str]:

@@ -60,14 +60,35 @@ def encode_documents(docs: list[str], tokenizer) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def check_source(source: str) -> None:
+def check_source(source: str, tokenizer) -> None:
     """Cheap checks a launcher runs before any worker starts."""
     if source == "builtin":
         return
     if source.startswith("text:"):
         expand_glob(source[len("text:"):])
     else:
-        read_token_file(source)
+        check_tokenizer(source, read_token_file(source)[1], tokenizer)
+
+
+def check_tokenizer(source: str, header: dict, tokenizer) -> None:
+    """Refuse a token file made with another tokenizer. Tokenizers are compared by content:
+    the file named by another path (relative, absolute, a run's copy) is the same tokenizer."""
+    made_with = header.get("tokenizer_fingerprint") or _fingerprint_of(header["tokenizer"])
+    if made_with != tokenizer.fingerprint:
+        raise ConfigError(f"data.source={source!r} was tokenized with {header['tokenizer']!r}, another tokenizer "
+                          f"than data.tokenizer={tokenizer.name!r}; set data.tokenizer to the one `llmsplit prepare` "
+                          f"used, or prepare the data again with --tokenizer {tokenizer.name}")
+
+
+def _fingerprint_of(name: str) -> str:
+    """For token files written before they recorded a fingerprint: the named tokenizer's, if
+    it can still be read, else its name."""
+    from ..io.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(name).fingerprint
+    except ConfigError:
+        return name
 
 
 def load_tokens(source: str, tokenizer) -> np.ndarray:
@@ -78,7 +99,5 @@ def load_tokens(source: str, tokenizer) -> np.ndarray:
         docs = [d for f in expand_glob(source[len("text:"):]) for d in read_documents(f)]
         return encode_documents(docs, tokenizer)
     tokens, header = read_token_file(source)
-    if header["tokenizer"] != tokenizer.name:
-        raise ConfigError(f"data.source={source!r} was tokenized with {header['tokenizer']!r} but "
-                          f"data.tokenizer is {tokenizer.name!r}; set data.tokenizer to match")
+    check_tokenizer(source, header, tokenizer)
     return tokens

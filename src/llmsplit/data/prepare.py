@@ -24,5 +24,5 @@ def prepare(inputs: list[str], out: str | Path, tokenizer) -> dict:
     if len(tokens) == 0:
         raise ConfigError("the input files hold no text; pass files with content")
     header = write_token_file(out, tokens, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
-                              documents=len(docs))
+                              documents=len(docs), fingerprint=tokenizer.fingerprint)
     return dict(header, files=len(files))

@@ -76,7 +76,7 @@ class HFWeights:
             self.config, raw = read_hf_config(self.path)
         except UnsupportedHFConfig as e:
             raise ConfigError(str(e)) from None
-        self.eos_ids = eos_ids_from_hf(raw)
+        self.eos_ids = eos_ids_from_hf(raw) | _generation_eos_ids(self.path)
         self.dtype = _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
         self._files = {}  # file name -> open safe_open handle (memory-mapped, opened once)
         self._where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
@@ -160,14 +160,22 @@ def expected_names(cfg: LlamaConfig) -> list[str]:
 
 
 def _folder_tokenizer(folder: Path):
-    from .tokenizer import load_tokenizer, read_chat_template
+    from .tokenizer import load_tokenizer
 
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"{str(folder)!r} has no tokenizer.json; save the tokenizer next to the weights "
                           f"(tokenizer.save_pretrained)")
-    tok = load_tokenizer(str(folder / "tokenizer.json"), key="tokenizer")
-    tok.chat_template = read_chat_template(folder)
-    return tok
+    return load_tokenizer(str(folder / "tokenizer.json"), key="tokenizer")  # with its config and chat template
+
+
+def _generation_eos_ids(folder: Path) -> set[int]:
+    """generation_config.json's eos_token_id, where instruct models list their end-of-turn
+    ids (Llama 3.1 Instruct names three); generation stops at any of them."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return {i for i in eos_ids_from_hf(raw) if isinstance(i, int)} if isinstance(raw, dict) else set()
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

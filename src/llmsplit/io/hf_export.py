@@ -2,7 +2,8 @@
 `transformers.AutoModelForCausalLM.from_pretrained` loads with the same logits.
 
 Names go through the same table as the reader (`hf.to_hf_name`), config.json keys through
-the same table as the parser (`models.hf_config.config_to_hf`). The built-in byte
+the same table as the parser (`models.hf_config.config_to_hf`). The tokenizer files,
+chat template and end-of-sequence ids are the run's copies of its source's. The built-in byte
 tokenizer is written as an equivalent `tokenizer.json` (a byte-level BPE with no merges
 whose ids are the byte values), so the exported folder is complete either way.
 """
@@ -10,7 +11,6 @@ whose ids are the byte values), so the exported folder is complete either way.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ import torch
 from ..config import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, config_to_hf
 from .hf import to_hf_name
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, copy_tokenizer_files
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
 
@@ -69,8 +69,13 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
             continue  # transformers re-ties lm_head to the embedding
         tensors[to_hf_name(name)] = weights.read(name).contiguous()
     tok = weights.tokenizer
+    # Every id that ends a turn, as the model the run started from names them (an instruct
+    # model's <|im_end|>, not only its tokenizer's end of text): without them generate,
+    # serve and transformers run past the answer into an invented next turn.
+    eos = sorted(weights.eos_ids)
+    eos = eos[0] if len(eos) == 1 else (eos or None)
     try:  # before anything is written: a config transformers cannot build leaves no half folder
-        hf_config = config_to_hf(cfg, tok.bos_id, tok.eos_id, next(iter(tensors.values())).dtype)
+        hf_config = config_to_hf(cfg, tok.bos_id, eos, next(iter(tensors.values())).dtype)
     except UnsupportedHFConfig as e:
         raise ConfigError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +93,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}, indent=1))
+        {"bos_token_id": tok.bos_id, "eos_token_id": eos}, indent=1))
     _write_tokenizer(tok, out)
     return {"tensors": len(tensors), "files": len(shards), "params": cfg.num_params(), "out": str(out)}
 
@@ -109,11 +114,9 @@ def _write_tokenizer(tok, out: Path) -> None:
     if isinstance(tok, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_tokenizer_json())
         special = {"bos_token": "<s>", "eos_token": "</s>"}
-    else:
-        src = Path(tok.name)
-        shutil.copyfile(src, out / "tokenizer.json")
-        if (src.parent / "tokenizer_config.json").is_file():
-            shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
+    else:  # the run's copy of the tokenizer files, chat template included
+        copy_tokenizer_files(tok.name, out)
+        if (out / "tokenizer_config.json").is_file():
             return
         special = {}
     (out / "tokenizer_config.json").write_text(json.dumps(

@@ -24,6 +24,10 @@ STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
+# The run's own copy of its tokenizer files, and the ids that end the model's turns (as the
+# Hugging Face folder it started from names them), so a run needs nothing outside its folder.
+TOKENIZER_DIR = "tokenizer"
+GENERATION_FILE = "generation_config.json"
 
 
 def checkpoint_dir(cfg: Config, run_dir: str | Path) -> Path:
@@ -151,6 +155,60 @@ def _has_logged_step(path: Path) -> bool:
         return False
     with open(path, errors="replace") as f:
         return any(line.strip() for line in f)
+
+
+def absolute_paths(cfg: Config) -> None:
+    """Make the config's paths absolute before config.toml is written, so the run folder
+    (generate, export, a resume) means the same files from any directory."""
+    import os
+
+    def absolute(path: str | None) -> str | None:
+        return os.path.abspath(path) if path else path
+
+    cfg.model.hf, cfg.model.gguf = absolute(cfg.model.hf), absolute(cfg.model.gguf)
+    cfg.checkpoint.dir, cfg.memory.offload_dir = absolute(cfg.checkpoint.dir), absolute(cfg.memory.offload_dir)
+    if cfg.data.tokenizer != "byte":
+        cfg.data.tokenizer = absolute(cfg.data.tokenizer)
+    if cfg.data.source.startswith("text:"):
+        cfg.data.source = "text:" + absolute(cfg.data.source[len("text:"):])
+    elif cfg.data.source != "builtin":
+        cfg.data.source = absolute(cfg.data.source)
+
+
+def write_run_config(run_dir: Path, cfg: Config) -> None:
+    """config.toml, and the run's copy of its tokenizer files with the model's eos ids."""
+    from ..config import to_toml
+    from .tokenizer import ByteTokenizer, copy_tokenizer_files, load_tokenizer
+
+    (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if isinstance(tok, ByteTokenizer):
+        return  # nothing to copy: the byte tokenizer is built in
+    dest = run_dir / TOKENIZER_DIR
+    if Path(tok.name).resolve() != (dest / "tokenizer.json").resolve():  # not already the copy
+        copy_tokenizer_files(tok.name, dest)
+    eos = {tok.eos_id} - {None}
+    if cfg.model.hf:
+        from .hf import HFWeights
+
+        eos |= HFWeights(cfg.model.hf).eos_ids
+    (dest / GENERATION_FILE).write_text(json.dumps({"bos_token_id": tok.bos_id, "eos_token_id": sorted(eos)}))
+
+
+def run_tokenizer(run_dir: str | Path, cfg: Config):
+    """(tokenizer, eos ids) of a run: its own copy, or data.tokenizer for a run made before
+    runs kept one."""
+    from .tokenizer import load_tokenizer
+
+    dest = Path(run_dir) / TOKENIZER_DIR
+    copied = (dest / "tokenizer.json").is_file()
+    tok = load_tokenizer(str(dest / "tokenizer.json") if copied else cfg.data.tokenizer)
+    try:
+        listed = json.loads((dest / GENERATION_FILE).read_text())["eos_token_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = []
+    listed = listed if isinstance(listed, list) else []
+    return tok, ({tok.eos_id} - {None}) | {i for i in listed if isinstance(i, int)}
 
 
 def read_run_config(run_dir: str | Path) -> Config:

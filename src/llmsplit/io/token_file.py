@@ -1,7 +1,7 @@
 """The token file that `llmsplit prepare` writes and training memory-maps.
 
 Layout: 8-byte magic, u32 format version, u32 length of a JSON header, the JSON header
-(tokenizer, vocab size, dtype, token and document counts), zero padding to 64 bytes,
+(tokenizer and its fingerprint, vocab size, dtype, token and document counts), zero padding to 64 bytes,
 then the tokens as little-endian uint16 or uint32.
 """
 
@@ -22,9 +22,12 @@ _ALIGN = 64
 
 
 def write_token_file(path: str | Path, tokens: np.ndarray, *, tokenizer: str, vocab_size: int,
-                     documents: int) -> dict:
+                     documents: int, fingerprint: str | None = None) -> dict:
+    """`tokenizer` names the tokenizer for people; `fingerprint` (its content hash) is what
+    training compares, so the same file named by another path is not a mismatch."""
     dtype = np.uint16 if vocab_size <= 65536 else np.uint32
-    header = {"tokenizer": tokenizer, "vocab_size": int(vocab_size), "dtype": np.dtype(dtype).name,
+    header = {"tokenizer": tokenizer, "tokenizer_fingerprint": fingerprint, "vocab_size": int(vocab_size),
+              "dtype": np.dtype(dtype).name,
               "n_tokens": int(len(tokens)), "documents": int(documents)}
     blob = json.dumps(header).encode()
     prefix = MAGIC + struct.pack("<II", VERSION, len(blob)) + blob

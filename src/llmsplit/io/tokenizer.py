@@ -1,8 +1,17 @@
 """Tokenizers: a byte-level default that needs no files, and any `tokenizer.json`
-through the `tokenizers` library."""
+through the `tokenizers` library, with what `transformers` saves next to it
+(tokenizer_config.json's special tokens, the chat template).
+
+A tokenizer is known by its content (`fingerprint`), never by the path it was named with:
+'smol/tokenizer.json', its absolute path and a run folder's copy of it are one tokenizer.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+from functools import cached_property
 from pathlib import Path
 
 from ..config import ConfigError
@@ -16,6 +25,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; 256 and 257 mark the start and end of a document."""
 
     name = "byte"
+    fingerprint = "byte"
     chat_template = None  # no model-specific chat format: the server uses its plain default
     vocab_size = 258
     bos_id = 256
@@ -56,6 +66,12 @@ class HFTokenizer:
         self.eos_id = self._first_id(_EOS_NAMES)
         self.bos_id = self._first_id(_BOS_NAMES)
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the vocabulary, merges and pipeline as `tokenizers` serializes them, so
+        the same tokenizer read from two paths (or a copy) compares equal."""
+        return "sha256:" + hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
     def _first_id(self, names):
         for n in names:
             i = self._tok.token_to_id(n)
@@ -85,25 +101,57 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer"):
     if not path.is_file():
         raise ConfigError(f"{key}={spec!r} is neither \"byte\" nor an existing tokenizer.json file")
     try:
-        return HFTokenizer(path)
+        tok = HFTokenizer(path)
     except Exception as e:  # the tokenizers library raises its own Exception type
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{key}={spec!r} is not a tokenizer.json that the tokenizers library can read "
                           f"({first[:120]}); pass \"byte\" or a valid tokenizer.json") from None
+    _use_tokenizer_config(tok, path.parent)
+    return tok
+
+
+# What `transformers` saves with a tokenizer; runs and exports carry all of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer_files(tokenizer_json: str | Path, dest: str | Path) -> None:
+    """Copy a tokenizer.json and the files saved next to it into the folder `dest`."""
+    src = Path(tokenizer_json).parent
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer_json, Path(dest) / "tokenizer.json")
+    for name in TOKENIZER_FILES[1:]:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, Path(dest) / name)
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    try:
+        raw = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _use_tokenizer_config(tok: HFTokenizer, folder: Path) -> None:
+    """The special tokens tokenizer_config.json names win over the guess from the vocabulary:
+    an instruct model's end of turn (SmolLM2's `<|im_end|>`, 2) is not its `<|endoftext|>` (0)."""
+    config = _tokenizer_config(folder)
+    for attr, key in (("eos_id", "eos_token"), ("bos_id", "bos_token")):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token  # older files: an AddedToken
+        i = tok._tok.token_to_id(token) if isinstance(token, str) else None
+        if i is not None:
+            setattr(tok, attr, i)
+    tok.chat_template = read_chat_template(folder)
 
 
 def read_chat_template(folder: Path) -> str | None:
     """The chat template `transformers` saved next to a tokenizer: `chat_template.jinja`
     (transformers >= 4.43) or the `chat_template` key of tokenizer_config.json, which older
     versions wrote as a string or as a list of named templates."""
-    import json
-
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
-    try:
-        raw = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None
+    raw = _tokenizer_config(folder).get("chat_template")
     if isinstance(raw, list):
         named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
         raw = named.get("default", next(iter(named.values()), None))

@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, model_config
-from .run_dir import CONFIG_FILE, is_complete_checkpoint, read_run_config, resolve_checkpoint
-from .tokenizer import load_tokenizer
+from .run_dir import CONFIG_FILE, is_complete_checkpoint, read_run_config, resolve_checkpoint, run_tokenizer
 
 
 def open_weights(path: str | Path, what: str = "--model"):
@@ -53,9 +52,8 @@ class RunWeights:
 
         run_dir, ck = resolve_checkpoint(path)
         cfg = read_run_config(run_dir)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer, self.eos_ids = run_tokenizer(run_dir, cfg)  # the run's own copy: it works from anywhere
         self.config = model_config(cfg, self.tokenizer.vocab_size)
-        self.eos_ids = {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
         self.dtype = torch.float32
         with torch.device("meta"):
             model = Transformer(self.config)

@@ -82,8 +82,9 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
                 workers: Workers, resume_changed: bool = False) -> TrainJob:
     """The config loaded and the model sized; `check_job` follows once the layout is final."""
     from ..data.corpus import check_source
-    from ..io.run_dir import CONFIG_FILE
+    from ..io.run_dir import CONFIG_FILE, absolute_paths
     from ..io.tokenizer import load_tokenizer
+    from .finetune import apply_finetune_defaults
 
     torchrun = under_torchrun()
     run_dir = Path(run_dir) if run_dir else None
@@ -99,15 +100,19 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
         from ..config import config_from_dict
 
         cfg = config_from_dict(tomllib.loads(to_toml(config)), overrides)
+        cfg.explicit = config.explicit | {o.partition("=")[0].strip() for o in overrides}  # not every key copied
     else:
         cfg = load_config(config, overrides)
+    absolute_paths(cfg)  # config.toml then names the same files from any directory
     if cfg.model.hf:
         _use_pretrained_sizes(cfg)
+        apply_finetune_defaults(cfg, warn=not torchrun or os.environ.get("RANK", "0") == "0")
     nproc = workers.nproc or default_nproc()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc * workers.nnodes
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else nproc
-    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    check_source(cfg.data.source)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = tokenizer.vocab_size
+    check_source(cfg.data.source, tokenizer)  # a token file made with another tokenizer: refused here, exit 2
     return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
                     torchrun, resume_changed)
 

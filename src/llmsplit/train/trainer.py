@@ -26,7 +26,7 @@ from ..config import Config, config_from_toml, model_config, to_toml
 from ..data.corpus import load_tokens
 from ..data.loader import BatchSampler
 from ..io.hf import HFWeights
-from ..io.run_dir import CONFIG_FILE, checkpoint_dir
+from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.mesh import Mesh, ParallelDims
@@ -120,7 +120,7 @@ class Trainer:
         self.run_dir = agree_on_run_dir(cfg, run_dir)
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
+            write_run_config(self.run_dir, cfg)  # config.toml and the run's copy of its tokenizer files
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.model_cfg = model_config(cfg, tokenizer.vocab_size)
         self.mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
