@@ -16,6 +16,7 @@ import torch
 
 from ..config import ConfigError
 from ..models.llama import LlamaConfig
+from ..models.weight_shapes import shape_mismatch, structure_problem
 
 ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs use the llama architecture
 # Quantization types dequantized through gguf.quants (plain floats, legacy and K-quants).
@@ -32,13 +33,17 @@ _LAYER = {
 }
 _TOP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
         "output.weight": "output.weight"}
+# LlamaConfig's counts and the `{architecture}.` metadata keys that hold them (default when absent).
+_COUNTS = {"dim": ("embedding_length", None), "n_layers": ("block_count", None),
+           "n_heads": ("attention.head_count", None), "n_kv_heads": ("attention.head_count_kv", "n_heads"),
+           "ffn_dim": ("feed_forward_length", None), "max_seq_len": ("context_length", 2048)}
 
 
 def from_gguf_name(name: str) -> str | None:
     if name in _TOP:
         return _TOP[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
         return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
     return None
 
@@ -92,35 +97,51 @@ class GGUFWeights:
                                   f"{', '.join(SUPPORTED_TYPES)}")
             self._tensors[ours] = t
         self.config = self._config(arch)
+        found = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._tensors.items()}
+        problem = shape_mismatch(self.config, found, to_gguf_name, f"{arch}.block_count")
+        if problem:  # before the tokenizer or anything else is built from the metadata
+            raise ConfigError(f"{str(self.path)!r}: the GGUF metadata does not match its tensors: {problem}")
         self.dtype = torch.float32  # dequantized values; the engine casts to its compute dtype
         self.tokenizer = gguf_tokenizer(self._value, self.path)
         eos = self._value("tokenizer.ggml.eos_token_id")
         self.eos_ids = {int(eos)} if eos is not None else set()
-        missing = [n for n in self.names() if n not in self._tensors and n != "output.weight"]
-        if missing:
-            raise ConfigError(f"{str(self.path)!r} lacks the tensor {to_gguf_name(missing[0])}")
 
     def _value(self, key: str, default=None):
         f = self._meta.get(key)
-        return default if f is None else f.contents()
+        try:
+            return default if f is None else f.contents()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{str(self.path)!r}: GGUF metadata {key} is not valid UTF-8 text") from None
 
     def _config(self, arch: str) -> LlamaConfig:
-        a = lambda k, d=None: self._value(f"{arch}.{k}", d)  # noqa: E731
-        try:
-            n_heads = int(a("attention.head_count"))
-            emb = self._tensors["tok_embeddings.weight"]
-            return LlamaConfig(
-                dim=int(a("embedding_length")), n_layers=int(a("block_count")), n_heads=n_heads,
-                n_kv_heads=int(a("attention.head_count_kv", n_heads)), vocab_size=int(emb.shape[1]),
-                ffn_dim=int(a("feed_forward_length")), max_seq_len=int(a("context_length", 2048)),
-                rope_theta=float(a("rope.freq_base", 10000.0)),
-                norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-                tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2",
-                rope_scaling=self._rope_scaling(a))
-        except (TypeError, KeyError) as e:
-            raise ConfigError(f"{str(self.path)!r} lacks the model metadata a llama GGUF has ({e})") from None
+        """The model config from the `{arch}.*` metadata, each value checked for its kind."""
+        if "tok_embeddings.weight" not in self._tensors or len(self._tensors["tok_embeddings.weight"].shape) != 2:
+            raise ConfigError(f"{str(self.path)!r} lacks the tensor token_embd.weight [embedding_length, vocabulary]")
+        counts = {}
+        for field, (key, default) in _COUNTS.items():
+            value = self._value(f"{arch}.{key}", counts["n_heads"] if default == "n_heads" else default)
+            if type(value) is not int or value < 1:  # a per-layer list (as some GGUFs have) is refused too
+                raise ConfigError(f"{str(self.path)!r}: GGUF metadata {arch}.{key} is "
+                                  f"{'missing' if value is None else repr(value)[:60]}; a llama GGUF holds "
+                                  f"a positive integer there")
+            counts[field] = value
+        numbers = {}
+        for field, key, default in (("rope_theta", "rope.freq_base", 10000.0),
+                                    ("norm_eps", "attention.layer_norm_rms_epsilon", 1e-5)):
+            value = self._value(f"{arch}.{key}", default)
+            if type(value) not in (int, float) or not value > 0:
+                raise ConfigError(f"{str(self.path)!r}: GGUF metadata {arch}.{key} is {repr(value)[:60]}; "
+                                  f"it must be a positive number")
+            numbers[field] = float(value)
+        cfg = LlamaConfig(**counts, **numbers, vocab_size=int(self._tensors["tok_embeddings.weight"].shape[1]),
+                          tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2")
+        problem = structure_problem(cfg, lambda field: f"{arch}.{_COUNTS[field][0]}")
+        if problem:
+            raise ConfigError(f"{str(self.path)!r}: GGUF metadata {problem}")
+        cfg.rope_scaling = self._rope_scaling(lambda k, d=None: self._value(f"{arch}.{k}", d), cfg.head_dim)
+        return cfg
 
-    def _rope_scaling(self, a) -> str | None:
+    def _rope_scaling(self, a, head_dim: int) -> str | None:
         """Rope scaling as llama.cpp stores it: a rope_freqs tensor (Llama 3.1's scaling, one
         divisor per frequency) or `rope.scaling.type` linear with its factor."""
         import json
@@ -128,7 +149,11 @@ class GGUFWeights:
         from gguf.quants import dequantize
 
         kind = a("rope.scaling.type", "none")
-        factor = float(a("rope.scaling.factor", 1.0) or 1.0)
+        factor = a("rope.scaling.factor", 1.0) or 1.0
+        if type(factor) not in (int, float) or not factor > 0:
+            raise ConfigError(f"{str(self.path)!r}: GGUF metadata rope.scaling.factor is {repr(factor)[:60]}; "
+                              f"it must be a positive number")
+        factor = float(factor)
         if kind == "linear" and factor == 1.0:
             kind = "none"
         if kind not in ("none", "linear") or (kind == "linear" and self._rope_freqs is not None):
@@ -140,7 +165,7 @@ class GGUFWeights:
             return None
         t = self._rope_freqs
         divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
-        half_head = int(a("embedding_length")) // int(a("attention.head_count")) // 2
+        half_head = head_dim // 2
         if divisors.size != half_head:
             raise ConfigError(f"{str(self.path)!r}: rope_freqs holds {divisors.size} values, not one per rotary "
                               f"frequency ({half_head})")

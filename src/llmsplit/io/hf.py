@@ -11,58 +11,17 @@ Hugging Face "rotate half" layout, so q/k weights need no permutation.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError
-from ..models.hf_config import UnsupportedHFConfig, eos_ids_from_hf, read_hf_config
+from ..models.hf_config import (UnsupportedHFConfig, eos_ids_from_hf, from_hf_name, read_hf_config, to_hf_name,
+                                weight_files)
 from ..models.llama import LlamaConfig
+from ..models.weight_shapes import parameter_shapes
 
-# (our pattern, Hugging Face pattern); {i} is a layer index.
-_NAMES = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.attention.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
-    ("layers.{i}.attention.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
-    ("layers.{i}.attention.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-]
-
-
-def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
-
-
-_TO_HF = [(_compile(ours), hf) for ours, hf in _NAMES]
-_TO_OURS = [(_compile(hf), ours) for ours, hf in _NAMES]
-
-
-def _translate(name: str, table) -> str | None:
-    for pattern, template in table:
-        m = pattern.match(name)
-        if m:
-            return template.format(**m.groupdict())
-    return None
-
-
-def to_hf_name(name: str) -> str:
-    hf = _translate(name, _TO_HF)
-    assert hf is not None, f"no Hugging Face name for {name}"
-    return hf
-
-
-def from_hf_name(name: str) -> str | None:
-    """Our name for a Hugging Face tensor name; None for tensors we do not use
-    (e.g. precomputed rotary tables some checkpoints carry)."""
-    return _translate(name, _TO_OURS)
+__all__ = ["HFWeights", "expected_names", "from_hf_name", "to_hf_name"]  # the names live in models/hf_config.py
 
 
 class HFWeights:
@@ -72,15 +31,19 @@ class HFWeights:
         from safetensors import safe_open
 
         self.path = Path(folder)
-        try:
+        try:  # config.json, checked against the safetensors headers
             self.config, raw = read_hf_config(self.path)
+            files = weight_files(self.path)
         except UnsupportedHFConfig as e:
             raise ConfigError(str(e)) from None
+        if not files:
+            raise ConfigError(f"{str(self.path)!r} holds no *.safetensors weights; llmsplit reads the safetensors "
+                              f"format that transformers' save_pretrained writes")
         self.eos_ids = eos_ids_from_hf(raw) | _generation_eos_ids(self.path)
         self.dtype = _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
         self._files = {}  # file name -> open safe_open handle (memory-mapped, opened once)
         self._where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
-        for fname in self._weight_files():
+        for fname in files:
             try:
                 handle = safe_open(str(self.path / fname), framework="pt")
             except Exception as e:  # safetensors raises its own error type for a damaged header
@@ -90,25 +53,7 @@ class HFWeights:
                 ours = from_hf_name(hf_name)
                 if ours is not None:
                     self._where[ours] = (fname, hf_name)
-        missing = [n for n in expected_names(self.config) if n not in self._where
-                   and not (n == "output.weight" and self.config.tie_embeddings)]
-        if missing:
-            raise ConfigError(f"{str(self.path)!r} lacks the weight {to_hf_name(missing[0])!r} "
-                              f"({len(missing)} missing); the safetensors files do not match config.json")
         self.tokenizer = _folder_tokenizer(self.path)
-
-    def _weight_files(self) -> list[str]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError) as e:
-                raise ConfigError(f"{str(index)!r} is not a safetensors index ({e})") from None
-        files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{str(self.path)!r} holds no *.safetensors weights; llmsplit reads the safetensors "
-                              f"format that transformers' save_pretrained writes")
-        return files
 
     def names(self) -> list[str]:
         return expected_names(self.config)
@@ -147,16 +92,7 @@ class HFWeights:
 
 def expected_names(cfg: LlamaConfig) -> list[str]:
     """Every parameter name of our model for `cfg` (tied heads included once, as output.weight)."""
-    names = ["tok_embeddings.weight"]
-    for i in range(cfg.n_layers):
-        names += [f"layers.{i}.attention_norm.weight", f"layers.{i}.ffn_norm.weight"]
-        for w in ("wq", "wk", "wv"):
-            names.append(f"layers.{i}.attention.{w}.weight")
-            if cfg.qkv_bias:
-                names.append(f"layers.{i}.attention.{w}.bias")
-        names.append(f"layers.{i}.attention.wo.weight")
-        names += [f"layers.{i}.feed_forward.{w}.weight" for w in ("w1", "w3", "w2")]
-    return names + ["norm.weight", "output.weight"]
+    return [name for name, _ in parameter_shapes(cfg)]
 
 
 def _folder_tokenizer(folder: Path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, model_config
+from ..models.weight_shapes import parameter_shapes, shape_mismatch
 from .run_dir import CONFIG_FILE, is_complete_checkpoint, read_run_config, resolve_checkpoint, run_tokenizer
 
 
@@ -47,7 +48,6 @@ class RunWeights:
     small enough to gather whole here."""
 
     def __init__(self, path: str | Path):
-        from ..models.llama import Transformer
         from . import dcp_files
 
         run_dir, ck = resolve_checkpoint(path)
@@ -55,9 +55,16 @@ class RunWeights:
         self.tokenizer, self.eos_ids = run_tokenizer(run_dir, cfg)  # the run's own copy: it works from anywhere
         self.config = model_config(cfg, self.tokenizer.vocab_size)
         self.dtype = torch.float32
-        with torch.device("meta"):
-            model = Transformer(self.config)
-        state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}}
+        # The sizes of config.toml against the shapes the checkpoint's metadata records, before
+        # any tensor is allocated (a config.toml saying 10⁹ layers is refused, not built).
+        metadata = dcp_files.read_metadata(ck).state_dict_metadata
+        saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
+                 if k.startswith("model.") and hasattr(v, "size")}
+        problem = shape_mismatch(self.config, saved, layers_key="model.n_layers")
+        if problem:
+            raise ConfigError(f"{str(run_dir / CONFIG_FILE)!r} does not match checkpoint {str(ck)!r}: {problem}; "
+                              f"the [model] settings must be the ones the run was trained with")
+        state = {"model": {name: torch.empty(shape) for name, shape in parameter_shapes(self.config) if name in saved}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp_files.load(state, ck)  # never unpickles code from the checkpoint
@@ -69,7 +76,7 @@ class RunWeights:
         return expected_names(self.config)
 
     def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
-        t = self._state[name]
+        t = self._state[name if name in self._state else "tok_embeddings.weight"]  # a tied head saved once
         if shard is not None:
             dim, index, parts = shard
             t = t.chunk(parts, dim)[index]

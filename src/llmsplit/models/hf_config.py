@@ -1,6 +1,8 @@
 """Hugging Face `config.json` ↔ `LlamaConfig`: the one key table, read by every entry point
 (`llmsplit plan --model FOLDER`, `train --set model.hf=FOLDER`, `generate --model FOLDER`)
-and written by export.
+and written by export; and the one tensor-name table, with which `read_hf_config` checks
+config.json against the tensor shapes the folder's safetensors headers declare before
+anything is built (read from the headers alone, so the planner can check without torch).
 
 What llmsplit's decoder cannot compute (another architecture, a rope scaling kind it does
 not implement, a head_dim that is not hidden_size / num_attention_heads, biases where it has
@@ -12,9 +14,12 @@ entry layer turns that into its own user error in one place.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 from .llama import LlamaConfig, rope_params
+from .weight_shapes import Shape, shape_mismatch, structure_problem
 
 
 class UnsupportedHFConfig(ValueError):
@@ -38,6 +43,8 @@ _KEYS = (
     ("tie_word_embeddings", "tie_embeddings", bool, False),
 )
 
+_HF_KEY = {field: key for key, field, _, _ in _KEYS}
+
 # Rotary scaling kinds transformers' Llama computes, and the keys each one reads.
 _ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -50,7 +57,8 @@ def is_hf_folder(path: str | Path) -> bool:
 
 def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
     """The model config of a Hugging Face folder, and its config.json as parsed (for the
-    keys that are not sizes: eos ids, dtype)."""
+    keys that are not sizes: eos ids, dtype). A folder with weights has them checked against
+    the config first: the layer count, then every tensor's shape."""
     where = str(Path(folder) / "config.json")
     try:
         raw = json.loads(Path(where).read_text())
@@ -58,7 +66,14 @@ def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedHFConfig(f"{where!r} is not a readable JSON config ({e})") from None
     if not isinstance(raw, dict):
         raise UnsupportedHFConfig(f"{where!r} holds {type(raw).__name__}, not the JSON object of a model config")
-    return config_from_hf(raw, where), raw
+    cfg = config_from_hf(raw, where)
+    files = weight_files(folder)
+    if files:
+        problem = shape_mismatch(cfg, weight_shapes(folder, files), to_hf_name, "num_hidden_layers")
+        if problem:
+            raise UnsupportedHFConfig(f"{str(folder)!r}: config.json does not match the safetensors weights: "
+                                      f"{problem}; use the config.json saved with these weights")
+    return cfg, raw
 
 
 def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
@@ -90,6 +105,9 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
         raise UnsupportedHFConfig(f"{where}: head_dim {raw['head_dim']} is not hidden_size // num_attention_heads "
                                   f"= {cfg.dim} // {cfg.n_heads} = {cfg.head_dim}, the only head size llmsplit's "
                                   f"model computes")
+    problem = structure_problem(cfg, _HF_KEY.get)
+    if problem:
+        raise UnsupportedHFConfig(f"{where}: {problem}")
     return cfg
 
 
@@ -178,3 +196,110 @@ def _rope_scaling_to_hf(scaling: str) -> dict:
     if params["rope_type"] == "dynamic":
         params.pop("original_max_position_embeddings")  # transformers scales from max_position_embeddings
     return params
+
+
+# (our pattern, Hugging Face pattern); {i} is a layer index.
+_NAMES = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.attention.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attention.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attention.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+]
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
+
+
+_TO_HF = [(_compile(ours), hf) for ours, hf in _NAMES]
+_TO_OURS = [(_compile(hf), ours) for ours, hf in _NAMES]
+
+
+def _translate(name: str, table) -> str | None:
+    for pattern, template in table:
+        m = pattern.match(name)
+        if m:
+            return template.format(**m.groupdict())
+    return None
+
+
+def to_hf_name(name: str) -> str:
+    hf = _translate(name, _TO_HF)
+    assert hf is not None, f"no Hugging Face name for {name}"
+    return hf
+
+
+def from_hf_name(name: str) -> str | None:
+    """Our name for a Hugging Face tensor name; None for tensors we do not use
+    (e.g. precomputed rotary tables some checkpoints carry)."""
+    return _translate(name, _TO_OURS)
+
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def weight_files(folder: str | Path) -> list[str]:
+    """The safetensors files of a folder, relative to it: those its index names, or every
+    *.safetensors file; none for a folder that holds only config.json.
+
+    The index is data from whoever made the folder: a name that leads out of it ("../x",
+    "/etc/passwd") is refused. The check is on the name, not on where links point, because
+    the Hugging Face cache's snapshot folders are links into ../../blobs by design."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return sorted(p.name for p in folder.glob("*.safetensors"))
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UnsupportedHFConfig(f"{str(index)!r} is not a safetensors index ({type(e).__name__}: {e})") from None
+    for name in names:
+        norm = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else os.pardir
+        if os.path.isabs(norm) or norm in (os.curdir, os.pardir) or norm.startswith(os.pardir + os.sep):
+            raise UnsupportedHFConfig(f"{str(index)!r} names the weight file {name!r}, which is not inside the "
+                                      f"model folder; refusing to open it (an index names files in its own folder)")
+    return sorted(names)
+
+
+def weight_shapes(folder: str | Path, files: list[str]) -> dict[str, Shape]:
+    """Our name -> shape of every tensor llmsplit uses in `files`, from their headers alone."""
+    shapes = {}
+    for fname in files:
+        for hf_name, shape in header_shapes(Path(folder) / fname).items():
+            ours = from_hf_name(hf_name)
+            if ours is not None:
+                shapes[ours] = shape
+    return shapes
+
+
+def header_shapes(path: Path) -> dict[str, Shape]:
+    """Tensor name -> shape from a safetensors file's header (8 bytes of length, then JSON),
+    without reading any tensor data."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= min(_MAX_HEADER_BYTES, os.fstat(f.fileno()).st_size - 8):
+                raise ValueError(f"its header length {size} does not fit the file")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+    except (OSError, ValueError) as e:
+        raise UnsupportedHFConfig(f"{str(path)!r} is not a readable safetensors file ({e})") from None
+    shapes = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise UnsupportedHFConfig(f"{str(path)!r}: tensor {name} has no valid shape in the safetensors header")
+        shapes[name] = tuple(shape)
+    return shapes
