@@ -248,6 +248,18 @@ def test_a_resume_on_other_inputs_is_refused_with_the_old_and_new_values(source,
     assert not (tmp_path / "run").exists()
 
 
+def test_resume_changed_continues_on_other_inputs_and_the_summary_says_so(source, tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, *MP, "train.seed=1", nproc=1,
+                 extra=("--resume", str(source / "checkpoints" / "step_6"), "--resume-changed"))
+    assert "--resume-changed: continuing" in proc.stderr and "with train.seed 0 then, 1 now" in proc.stderr
+    assert json.loads((run / "summary.json").read_text())["resumed_with_changes"] == {
+        "train.seed": {"then": 0, "now": 1}}
+    assert len(losses(run)) == 2  # steps 7 and 8
+    # What it continued with is what its own checkpoint records: resuming that needs no flag.
+    assert json.loads((run / "checkpoints" / "step_8" / "train_state.json").read_text())["data"]["seed"] == 1
+
+
 class _Payload:
     """Unpickling this would create `flag` (os.system), as a hostile checkpoint could."""
 

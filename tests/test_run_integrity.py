@@ -196,3 +196,24 @@ def test_a_full_disk_in_a_worker_is_the_failure_line(tmp_path):
                       f"run elsewhere (--run-dir, checkpoint.dir)"], proc.stderr[-2000:]
     assert "has room again, `--resume auto --run-dir" in proc.stderr
     assert "To enable traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_full_temporary_folder_is_named_with_the_workers_failure(tmp_path, monkeypatch):
+    """torch keeps each worker's error in a file under the temporary folder; when that disk
+    is full (here: said so by a patched free-space probe in the launching process) the
+    failure names the folder as well as what the worker reported."""
+    import tempfile
+
+    import llmsplit
+    import llmsplit.io.disk_full
+    from llmsplit.training import TrainingFailed
+
+    tmp, measured = tempfile.gettempdir(), llmsplit.io.disk_full.free_bytes
+    monkeypatch.setattr(llmsplit.io.disk_full, "free_bytes", lambda path: 0 if str(path) == tmp else measured(path))
+    monkeypatch.setenv("LLMSPLIT_FAULT", "0:1")
+    with pytest.raises(TrainingFailed) as caught:
+        llmsplit.train(None, nproc=1, run_dir=tmp_path / "run", overrides=TINY)
+    assert str(caught.value) == (f"worker rank 0 failed: RuntimeError: fault injected by LLMSPLIT_FAULT=0:1; no "
+                                 f"space left on device at {tmp}, where torch records the workers' errors")
+    assert caught.value.hint.startswith("free space there (or set TMPDIR to a disk with room)")

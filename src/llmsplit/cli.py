@@ -46,7 +46,8 @@ def cmd_train(args) -> int:
     try:
         result = train(args.config, args.nproc, args.run_dir, args.resume, overrides=overrides, auto=args.auto,
                        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                       master_port=args.master_port, max_restarts=args.max_restarts)
+                       master_port=args.master_port, max_restarts=args.max_restarts,
+                       resume_changed=args.resume_changed)
     except TrainingFailed as e:
         print(f"llmsplit: training failed: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return 1

@@ -77,6 +77,9 @@ def _add_train(sub) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--resume", default="none", metavar="auto|none|PATH",
                    help="auto: newest checkpoint in --run-dir; PATH: a run folder or checkpoint (default %(default)s)")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="resume although data.seq_len, train.global_batch, train.seed, the tokenizer or the data "
+                        "differ from the checkpoint's (refused by default); summary.json records what changed")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
     p.add_argument("--profile", type=COUNT, metavar="STEPS", help="trace STEPS steps with torch.profiler into "

@@ -246,7 +246,9 @@ def _run_in_torchrun(job: TrainJob, run_dir: Path) -> TrainResult:
 
 
 def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
-    from ..io.disk_full import NoSpaceLeft
+    import tempfile
+
+    from ..io.disk_full import NoSpaceLeft, disk_full
     from .entry import run_worker
     from .limits import MemoryLimitExceeded
 
@@ -262,13 +264,23 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
         returned = launch(run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
                           node_rank=w.node_rank, master_addr=w.master_addr, master_port=w.master_port,
                           max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s)
-    except LaunchError as e:
+    except Exception as e:
+        resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
+        # torch records each worker's error in a file under the temporary folder: on a full
+        # disk the error is lost ("exit code 1") or torch fails reading it back (EOFError).
+        tmp = tempfile.gettempdir()
+        lost = f"no space left on device at {tmp}, where torch records the workers' errors"
+        if not isinstance(e, LaunchError):
+            if not disk_full(e, tmp):
+                raise
+            raise TrainingFailed(f"the workers failed and {lost}", f"free space there (or set TMPDIR to a disk "
+                                 f"with room); then {resume}") from None
         if e.error_type == MemoryLimitExceeded.__name__:
             raise TrainingFailed(str(e), out_of_memory=e.details) from None
-        resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
         if e.error_type == NoSpaceLeft.__name__:
-            hint = f"once the disk of {e.details['path']} has room again, {resume}"
-        else:
-            hint = e.hint or f"the worker's traceback is printed above; {resume}"
-        raise TrainingFailed(str(e), hint) from None
+            raise TrainingFailed(str(e), f"once the disk of {e.details['path']} has room again, {resume}") from None
+        if disk_full(e, tmp):
+            raise TrainingFailed(f"{e}; {lost}", f"free space there (or set TMPDIR to a disk with room); "
+                                 f"then {resume}") from None
+        raise TrainingFailed(str(e), e.hint or f"the worker's traceback is printed above; {resume}") from None
     return TrainResult.of(run_dir, returned.get(0))  # global rank 0's summary, on node 0

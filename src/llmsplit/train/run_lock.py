@@ -38,8 +38,9 @@ def holding(run_dir: str | Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise _in_use(run_dir, fd) from None
+        command = " ".join(["llmsplit", *sys.argv[1:]])
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "command": " ".join(["llmsplit", *sys.argv[1:]])[:300]}
+                  "command": command if len(command) <= 160 else command[:160] + " ..."}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode() + b"\n", 0)
         yield
