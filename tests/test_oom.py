@@ -121,14 +121,16 @@ def test_over_the_limit_exits_1_and_the_first_suggestion_fits(tmp_path):
 
 def test_generate_over_its_budget_exits_1_and_the_first_suggestion_fits(tmp_path, capsys):
     """In one process (no CLI start-up): the tiny HF model needs ~1.3 MiB for a 256-token
-    context on the CPU; a 1 MiB budget is refused with the placement's breakdown, and the
-    first suggested flag, added to the same command, loads and generates."""
+    context on the CPU (its whole context, asked for with --max-context); a 1 MiB budget is
+    refused with the placement's breakdown, and the first suggested flag, added to the same
+    command, loads and generates."""
     pytest.importorskip("transformers")
     from hf_models import make_hf_folder
     from llmsplit.cli import main
 
     folder = str(make_hf_folder(tmp_path / "llama", num_hidden_layers=2))
-    cmd = ["generate", "--model", folder, "hi", "--max-new-tokens", "2", "--max-memory", "cpu=1MiB"]
+    cmd = ["generate", "--model", folder, "hi", "--max-new-tokens", "2", "--max-context", "256", "--max-memory",
+           "cpu=1MiB"]
     assert main(cmd) == 1
     err = capsys.readouterr().err
     for term in ("weights", "kv_cache", "workspace", "total"):
@@ -139,7 +141,9 @@ def test_generate_over_its_budget_exits_1_and_the_first_suggestion_fits(tmp_path
     assert main(cmd + first) == 0, capsys.readouterr().err
     # Nothing fits 10 KiB, not even streaming the layers from disk: the explainer says so.
     assert main(cmd[:-1] + ["cpu=10KiB", "--offload-dir", str(tmp_path / "off")]) == 1
-    assert "no change of one flag fits; raise --max-memory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no change of --max-context, --dtype bf16 fits, alone or together; raise --max-memory" in err, err
+    assert "hint:" not in err  # there are no flags above to add
 
 
 def test_a_measured_cuda_stop_scales_the_suggestions(tmp_path):

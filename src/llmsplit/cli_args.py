@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 
 EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
@@ -15,6 +16,8 @@ class Parser(argparse.ArgumentParser):
     subcommand parsers are of this class too."""
 
     def error(self, message: str):
+        # "argument --top-p: 2 must be at most 1" -> "--top-p 2 must be at most 1", as ConfigErrors name flags
+        message = re.sub(r"^argument (--[\w-]+): (\S+ must be )", r"\1 \2", message)
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
@@ -140,10 +143,11 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
     p.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
     p.add_argument("--drain-timeout", type=number(float, at_least=0), default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may finish before they are aborted (default 30)")
+                   help="on SIGTERM, how long in-flight requests may finish before they are aborted "
+                        "(default %(default)s)")
     p.add_argument("--request-timeout", type=number(float, above=0), default=10.0, metavar="SECONDS",
                    help="how long a request's headers and body may take to arrive, and its chat template and "
-                        "tokenizing to run, before it is refused (default 10)")
+                        "tokenizing to run, before it is refused (default %(default)s)")
     _add_placement_args(p, context_default="the model's, at most 4096")
     return p
 
@@ -243,7 +247,8 @@ class _ConfigKeysAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(0, config_keys_text())
+        print(config_keys_text(), end="")
+        parser.exit(0)
 
 
 def config_keys_text() -> str:
@@ -265,7 +270,7 @@ def config_keys_text() -> str:
             default = getattr(section.default_factory(), f.name)
             shown = "unset" if default is None else _toml_text(default)
             allowed = choices.get(f"{section.name}.{f.name}")
-            lines.append(f"  {section.name + '.' + f.name:<32} {str(f.type):<14} default {shown}"
+            lines.append(f"  {section.name + '.' + f.name:<32} {f.type!s:<14} default {shown}"
                          + (f"; one of {', '.join(allowed)}" if allowed else ""))
     return "\n".join(lines) + "\n"
 

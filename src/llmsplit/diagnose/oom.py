@@ -182,10 +182,11 @@ def infer_failure(error: BaseException, where: str) -> InferFailure:
 
 
 def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memory, offload_dir, dtype,
-                          max_batch: int, max_context: int | None, max_batch_flag: bool) -> str:
-    """What to print for `failure` of `llmsplit.load(model, ...)` with these arguments:
-    `explain_infer_oom` on the memory budgets as they are once the failed load is gone.
-    Call it after leaving the `except` block (see `InferFailure`)."""
+                          max_batch: int, max_context: int | None, max_batch_flag: bool,
+                          min_context: int = 16) -> dict:
+    """`explain_infer_oom` (its report) for `failure` of `llmsplit.load(model, ...)` with these
+    arguments, on the memory budgets as they are once the failed load is gone. Call it after
+    leaving the `except` block (see `InferFailure`)."""
     import gc
 
     import torch
@@ -200,25 +201,25 @@ def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memor
     source = open_weights(model)
     _, sizes = run_sizes(source, dtype, max_batch, max_context)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    report = explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
-                               placement_mode(device_map), failure.measured, offload_dir=offload_dir,
-                               max_batch_flag=max_batch_flag, gpus=gpus)
-    return report["text"]
+    return explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
+                             placement_mode(device_map), failure.measured, offload_dir=offload_dir,
+                             max_batch_flag=max_batch_flag, gpus=gpus, min_context=min_context)
 
 
 def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dict | None, *, offload_dir,
-                      max_batch_flag: bool, gpus: int = 0) -> dict:
-    """Why a model does not fit for generation and the one-flag changes that would.
+                      max_batch_flag: bool, gpus: int = 0, min_context: int = 16) -> dict:
+    """Why a model does not fit for generation and the changes of flags that would: one flag
+    where one is enough, else a few together (`_budget_changes`).
 
     `sizes`/`budgets`/`mode` are what `infer.placement.place` was given; `failure` is None when
     placement refused the budgets before loading, else a measured CUDA stop
     (`infer_failure_from_cuda`). Every suggestion is checked by `place` itself on the same
     budgets (shrunk by measured/predicted for a measured stop, less MARGIN), so applying it
-    makes the load fit. Returns {"text", "breakdown", "scale", "suggestions": [[flag, value], ...]}."""
+    makes the load fit. No --max-context below `min_context` (the prompt must fit) is offered.
+    Returns {"text", "breakdown", "scale", "suggestions": [[flag, value, ...], ...]}."""
     from ..infer.placement import MODES, PlacementError, fmt_bytes, kind, place, units, usage_by_device
 
-    dev_of = lambda b: next((d for d in b if kind(d) not in ("cpu", "disk")), "cpu")  # noqa: E731
-    exec_device = dev_of(budgets)
+    exec_device = next((d for d in budgets if kind(d) not in ("cpu", "disk")), "cpu")
     on_one = {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}
     whole = usage_by_device(cfg, on_one, exec_device, sizes)[exec_device]
     scale = 1.0
@@ -228,25 +229,19 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
         except PlacementError:
             seen = 0
         scale = max(1.0, failure["peak_bytes"] / seen) if seen else 1.0
+    shrunk = {d: (None if v is None else int(v * (1 - MARGIN) / (scale if kind(d) not in ("cpu", "disk") else 1)))
+              for d, v in budgets.items()}
 
-    def shrunk(b: dict) -> dict:
-        return {d: (None if v is None else int(v * (1 - MARGIN) / (scale if kind(d) not in ("cpu", "disk") else 1)))
-                for d, v in b.items()}
-
-    def fits(s, b=budgets, m=mode) -> bool:
+    def fits(s, disk: bool) -> bool:
         try:
-            place(cfg, shrunk(b), m, s)
+            place(cfg, {**shrunk, "disk": None} if disk else shrunk, mode, s)
             return True
         except PlacementError:
             return False
 
-    found = _shrink_changes(sizes, fits, max_batch_flag)
-    found += _split_changes(cfg, sizes, budgets, scale, gpus)
-    if offload_dir is None and (isinstance(mode, str) and mode in MODES) and fits(sizes, {**budgets, "disk": None}):
-        found.append(("--offload-dir", "DIR", "layers that fit in no memory budget are read from disk, one at a "
-                                              "time (slow)"))
-    if sizes.dtype_bytes == 4 and fits(replace(sizes, dtype_bytes=2, kv_dtype_bytes=2)):
-        found.append(("--dtype", "bf16", "half the bytes for weights and KV cache; results differ slightly"))
+    offload = offload_dir is None and isinstance(mode, str) and mode in MODES
+    found = _budget_changes(sizes, fits, offload=offload, max_batch_flag=max_batch_flag, min_context=min_context)
+    found = sorted(found + [[change] for change in _split_changes(cfg, sizes, budgets, scale, gpus)], key=len)
 
     shown = {d: v for d, v in budgets.items() if d != "disk"}
     head = (f"out of memory on {failure['device']} while {failure['where']}: the allocator peaked at "
@@ -262,28 +257,65 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
         lines.append(f"(the run measured {scale:.2f}× what placement predicts on {failure['device']}; the "
                      f"suggestions allow for that)")
     if found:
-        lines.append("changes that fit (each checked by the placement, with a margin):")
-        lines += [f"  {flag + ' ' + value:<20} # {why}" for flag, value, why in found]
+        lines.append("changes that fit (each checked by the placement, with a margin; fewest flags first):")
+        lines += [f"  {' '.join(f'{flag} {value}' for flag, value, _ in change):<40} # "
+                  + "; ".join(why for _, _, why in change) for change in found]
     else:
-        lines.append("no change of one flag fits; raise --max-memory (or use a machine with more memory)")
+        tried = ["--max-context"] + ["--max-batch"] * max_batch_flag + ["--offload-dir"] * offload + \
+                ["--dtype bf16"] * (sizes.dtype_bytes == 4) + ["--tp/--pp"] * (gpus > 1)
+        lines.append(f"no change of {', '.join(tried)} fits, alone or together; raise --max-memory (or use a "
+                     f"machine with more memory)")
     return {"text": "\n".join(lines), "breakdown": {k: whole[k] for k in (*INFER_TERMS, "total")}, "scale": scale,
-            "suggestions": [[flag, value] for flag, value, _ in found]}
+            "suggestions": [[part for flag, value, _ in change for part in (flag, value)] for change in found]}
 
 
-def _shrink_changes(sizes, fits, max_batch_flag: bool) -> list[tuple[str, str, str]]:
-    """(flag, value, what it costs) for the largest --max-context (and --max-batch, where the
-    command has that flag) that `fits`."""
-    found = []
-    for value in _halvings(sizes.context, 16):
-        if fits(replace(sizes, context=value)):
-            found.append(("--max-context", str(value), f"prompt + generated text limited to {value} tokens"))
-            break
-    if max_batch_flag:
-        for value in _halvings(sizes.batch, 1):
-            if fits(replace(sizes, batch=value)):
-                found.append(("--max-batch", str(value), f"{value} sequences decoded together"))
-                break
+def _budget_changes(sizes, fits, *, offload: bool, max_batch_flag: bool, min_context: int) -> list[list[tuple]]:
+    """Changes that make `fits(sizes, disk)` true, each a list of (flag, value, what it costs).
+    --offload-dir (where `offload`) and --dtype bf16 (where the weights are 4-byte) are tried
+    alone and together; each such set as it is, else with the largest --max-context (and
+    --max-batch where the command has it, then both) that fits. A set that fits as it is makes
+    every set that contains it no suggestion."""
+    from itertools import combinations
+
+    toggles = ([("--offload-dir", "DIR", "layers that fit in no budget are read from disk (slow)")]
+               if offload else []) + \
+              ([("--dtype", "bf16", "half the bytes; results differ slightly")] if sizes.dtype_bytes == 4 else [])
+    found, enough = [], []
+    for n in range(len(toggles) + 1):
+        for chosen in combinations(toggles, n):
+            if any(set(e) <= set(chosen) for e in enough):
+                continue
+            flags = {flag for flag, _, _ in chosen}
+            s = replace(sizes, dtype_bytes=2, kv_dtype_bytes=2) if "--dtype" in flags else sizes
+            disk = "--offload-dir" in flags
+            if chosen and fits(s, disk):
+                enough.append(chosen)
+                found.append(list(chosen))
+                continue
+            shrinks = _shrinks(s, lambda t, d=disk: fits(t, d), max_batch_flag, min_context)
+            found += [list(chosen) + shrink for shrink in shrinks]
     return found
+
+
+def _shrinks(sizes, fits, max_batch_flag: bool, min_context: int) -> list[list[tuple[str, str, str]]]:
+    """The largest --max-context that `fits`; where the command has --max-batch, also the
+    largest batch, and when neither alone fits, one sequence with the largest context."""
+    def largest_context(s):
+        return next((v for v in _halvings(s.context, max(16, min_context)) if fits(replace(s, context=v))), None)
+
+    def context_change(v):
+        return ("--max-context", str(v), f"prompt + generated text at most {v} tokens")
+
+    out = []
+    if (context := largest_context(sizes)) is not None:
+        out.append([context_change(context)])
+    if max_batch_flag:
+        batch = next((v for v in _halvings(sizes.batch, 1) if fits(replace(sizes, batch=v))), None)
+        if batch is not None:
+            out.append([("--max-batch", str(batch), f"{batch} sequences decoded together")])
+        elif not out and sizes.batch > 1 and (context := largest_context(replace(sizes, batch=1))) is not None:
+            out.append([("--max-batch", "1", "one sequence at a time"), context_change(context)])
+    return out
 
 
 def _split_changes(cfg: LlamaConfig, sizes, budgets: dict, scale: float, gpus: int) -> list[tuple[str, str, str]]:

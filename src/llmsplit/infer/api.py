@@ -81,14 +81,25 @@ def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size
                         kv_dtype_bytes=dtype.itemsize)
 
 
+def generation_context(prompt_tokens: int, max_new_tokens: int, block_size: int = 16) -> int:
+    """The KV cache one generation needs: its prompt and every token it may add, in whole
+    cache blocks (the pool allocates blocks; placement then budgets what is allocated). What
+    `llmsplit generate` loads with when --max-context is not given: a 4096-token cache for a
+    70-token answer was most of the memory SmolLM2-135M needs (issue 22)."""
+    return -(-(prompt_tokens + max_new_tokens) // block_size) * block_size
+
+
 def placement_mode(device_map):
     mode = device_map if isinstance(device_map, dict) else (device_map or "auto")
     return {"": mode} if isinstance(mode, str) and mode not in MODES else mode
 
 
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
-         max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False) -> LoadedModel:
-    source = open_weights(path, what="model path")
+         max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
+         source=None) -> LoadedModel:
+    """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
+    model already (`llmsplit generate` does, to count the prompt's tokens before sizing)."""
+    source = source if source is not None else open_weights(path, what="model path")
     cfg = source.config
     dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size)
     max_context = sizes.context

@@ -6,10 +6,15 @@ weights on the execution device just before it runs and a post-hook drops them a
 background thread loads the next offloaded module (disk read, and on CUDA the host-to-device
 copy on a side stream) while the current one computes, so the transfer hides behind compute.
 Modules that fit on their device get no hooks at all.
+
+The files on disk are a copy of the weights for this load only (a later load writes its
+own), so `close` removes them, and the offload folder too when this load created it; a
+load that fails half-way removes them when its Offloader is collected.
 """
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +33,8 @@ class Offloader:
         self._pending: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmsplit-prefetch")
         self._stream = torch.cuda.Stream(self.exec_device) if self.exec_device.type == "cuda" else None
+        self._written: list[Path] = []  # files, then the folders this Offloader created (deepest first)
+        self._remove_written = weakref.finalize(self, _remove, self._written)
 
     def add(self, name: str, module: nn.Module, tensors: dict[str, torch.Tensor], tier: str) -> None:
         """Take over `module` (whose parameters are on the meta device): its weights `tensors`
@@ -37,8 +44,12 @@ class Offloader:
             from safetensors.torch import save_file
 
             assert self.dir is not None
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if not self.dir.is_dir():
+                made = [p for p in (self.dir, *self.dir.parents) if not p.exists()]
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._written.extend(made)  # deepest first, after the files that go in them (below)
             path = self.dir / f"{name}.safetensors"
+            self._written.insert(0, path)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
             self._files[name] = safe_open(str(path), framework="pt")  # memory-mapped
         else:
@@ -82,6 +93,18 @@ class Offloader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._pending.clear()
+        self._files.clear()  # the memory maps of the files removed next
+        self._remove_written()
+
+
+def _remove(paths: list[Path]) -> None:
+    """Remove files, then folders that are empty by then (a folder the user put something in stays)."""
+    for path in paths:
+        try:
+            path.rmdir() if path.is_dir() else path.unlink()
+        except OSError:
+            pass
 
 
 def set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -220,10 +220,12 @@ def _fill(cfg, all_units, order, budgets, exec_device, s: Sizes, scale: float = 
         return best if best is not None else attempt(0, keep_ends)
 
     best = largest(False, n)
-    if best is None or not offload or not ends or all(not _offloaded(best[u], exec_device) for u, _ in ends):
+    if not offload or not ends or (best is not None and all(not _offloaded(best[u], exec_device) for u, _ in ends)):
         return best
+    # Also when nothing fits with the head streamed: SmolLM2-135M in 200 MB of CPU fits only
+    # with its (tied) head resident, the two-head-sized staging buffers being too many.
     other = largest(True, n - len(ends))
-    if other is not None and _streamed(cfg, other, exec_device, s) < _streamed(cfg, best, exec_device, s):
+    if other is not None and (best is None or _streamed(cfg, other, exec_device, s) < _streamed(cfg, best, exec_device, s)):
         return other
     return best
 

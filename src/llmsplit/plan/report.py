@@ -42,4 +42,6 @@ def format_report(report: dict) -> str:
         lines.append("     fits" if lay["fits"] else f"     does not fit: {lay['why_not']}")
     if report["advice"]:
         lines += ["", report["advice"]]
+    if not report["fitting"]:  # the last line says so, whatever came before (the command exits 1)
+        lines += ["", f"no layout of the {report['considered']} considered fits {hw['count']} × {hw['gpu']}"]
     return "\n".join(lines)

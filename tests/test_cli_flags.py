@@ -1,0 +1,113 @@
+"""Flags are checked before anything loads (issue 22): a value out of range exits 2 with one
+line naming the flag, from the parser, before a model is opened; the CLI refuses exactly the
+sampling values the library refuses; every option's help says its default; `train
+--help-config` lists every config key with its default; `plan` exits 1 when nothing fits."""
+
+import dataclasses
+import json
+
+import pytest
+
+import llmsplit
+from llmsplit.cli import COMMANDS, main
+from llmsplit.cli_args import build_parser
+from llmsplit.config import Config, ConfigError
+from llmsplit.infer.engine import SamplingParams
+
+
+class Loaded(Exception):
+    """Raised where the command would open a model: the flags were accepted."""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise Loaded()
+
+    monkeypatch.setattr("llmsplit.io.weights.open_weights", refuse)
+    monkeypatch.setattr(llmsplit, "load", refuse)
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["generate", "--max-new-tokens", "-1"], "--max-new-tokens -1 must be at least 1"),
+    (["generate", "--temperature", "-1"], "--temperature -1 must be at least 0"),
+    (["generate", "--top-p", "2"], "--top-p 2 must be at most 1"),
+    (["generate", "--top-p", "0"], "--top-p 0 must be more than 0"),
+    (["generate", "--top-k", "0"], "--top-k 0 must be at least 1"),
+    (["generate", "--max-context", "1"], "--max-context 1 must be at least 2"),
+    (["generate", "--tp", "0"], "--tp 0 must be at least 1"),
+    (["generate", "--max-new-tokens", "lots"], "argument --max-new-tokens: 'lots' is not an integer"),
+    (["serve", "--max-batch", "0"], "--max-batch 0 must be at least 1"),
+    (["serve", "--port", "70000"], "--port 70000 must be at most 65535"),
+    (["serve", "--drain-timeout", "-5"], "--drain-timeout -5 must be at least 0"),
+])
+def test_a_bad_value_exits_2_naming_the_flag_before_any_model_opens(no_loading, capsys, argv, said):
+    code = main([argv[0], "--model", "SmolLM2-135M-Instruct.Q4_1.gguf", *argv[1:], "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert "_" not in err.split("error:")[1].split("(")[0]  # a flag, not the Python parameter
+
+
+def test_train_and_plan_counts_are_checked_while_parsing(capsys):
+    assert main(["train", "--nproc", "0"]) == 2
+    assert "--nproc 0 must be at least 1" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--gpus", "1", "--top", "0"]) == 2
+    assert "--top 0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,values", [("max_new_tokens", [-1, 0, 1, 64]),
+                                         ("temperature", [-1.0, -0.001, 0.0, 0.7]),
+                                         ("top_p", [-0.5, 0.0, 0.5, 1.0, 1.0001, 2.0]), ("top_k", [-1, 0, 1, 40])])
+def test_the_cli_refuses_exactly_what_the_library_refuses(no_loading, capsys, name, values):
+    for value in values:
+        try:
+            SamplingParams(**{name: value}).check()
+            library_accepts = True
+        except ConfigError:
+            library_accepts = False
+        try:
+            main(["generate", "--model", "m.gguf", f"--{name.replace('_', '-')}", str(value), "hi"])
+            cli_accepts = False
+        except Loaded:
+            cli_accepts = True
+        capsys.readouterr()
+        assert cli_accepts == library_accepts, (name, value)
+
+
+def test_every_option_has_help_that_says_its_default():
+    import argparse
+
+    sub = next(a for a in build_parser(COMMANDS)._actions if isinstance(a, argparse._SubParsersAction))
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            where = f"llmsplit {command} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, where
+            text = action.help % {"default": action.default}
+            if action.option_strings and action.nargs != 0 and not action.required:
+                assert "default" in text, where
+                if action.default not in (None, [], argparse.SUPPRESS):
+                    assert str(action.default) in text, where
+
+
+def test_help_config_lists_every_key_with_its_default(capsys):
+    assert main(["train", "--help-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for section in dataclasses.fields(Config):
+        for key, default in dataclasses.asdict(section.default_factory()).items():
+            line = next(ln for ln in lines if ln.split()[:1] == [f"{section.name}.{key}"])
+            shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else \
+                f'"{default}"' if isinstance(default, str) else repr(default)
+            assert f"default {shown}" in line, line
+    assert "one of 1f1b, gpipe" in next(ln for ln in lines if ln.startswith("  parallel.pp_schedule"))
+
+
+def test_plan_exits_1_and_says_so_last_when_no_layout_fits(capsys):
+    nothing = ["plan", "--model", "llama-3-70b", "--gpus", "1", "--gpu", "A100-40GB", "--seq-len", "8192"]
+    assert main(nothing) == 1
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "no layout of the 15 considered fits 1 × A100-40GB"
+    assert main(nothing + ["--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fitting"] == 0
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "8"]) == 0
+    assert "fits" in capsys.readouterr().out.rstrip().splitlines()[-1]
