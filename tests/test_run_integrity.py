@@ -62,6 +62,20 @@ def test_retention_keeps_the_new_checkpoint_whatever_later_ones_there_are(one_ra
     assert "was changed or damaged after the save" in checkpoint_problem(ck / "step_10")
 
 
+def test_a_save_that_never_finished_is_no_checkpoint_to_keep(tmp_path):
+    """`--resume auto` refuses to start over only when there are checkpoints to lose: a
+    `.step_N.tmp` alone (a crash or a full disk during the first save) is not one."""
+    from llmsplit.errors import ConfigError
+    from llmsplit.io.run_dir import usable_checkpoint
+
+    (tmp_path / ".step_4.tmp").mkdir()
+    assert usable_checkpoint(tmp_path)[0] is None
+    (tmp_path / "step_2").mkdir()  # no marker, no metadata: a checkpoint that cannot be used
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* can be used \(\.step_4\.tmp: a write that never "
+                                          r"finished; step_2: it has no \.metadata"):
+        usable_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("failure", ["enospc", "zip_writer"])
 def test_a_full_disk_while_saving_names_the_checkpoint_folder(one_rank, tmp_path, monkeypatch, failure):
     """ENOSPC as Python raises it, and torch's zip writer's own RuntimeError on a disk that

@@ -90,7 +90,8 @@ def usable_checkpoint(ck_dir: str | Path) -> tuple[Path | None, list[tuple[Path,
     used: starting again from step 0 would replace the run's metrics and let retention
     delete the damaged checkpoints, which may be all that is left of the run."""
     newest, skipped = newest_checkpoint(ck_dir)
-    if newest is None and skipped:
+    # A `.step_N.tmp` alone is a save that never finished, not a checkpoint: nothing to keep.
+    if newest is None and any(not path.name.startswith(".") for path, _ in skipped):
         listed = "; ".join(f"{p.name}: {why}" for p, why in skipped)
         raise ConfigError(f"--resume auto: no checkpoint in {str(ck_dir)!r} can be used ({listed}); resume from "
                           f"a good copy with --resume PATH, or move these away to start the run again from step 0")
