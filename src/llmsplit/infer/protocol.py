@@ -64,13 +64,13 @@ class _Sampling(BaseModel):
         for name, off in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value != off:
-                raise APIError(400, f"{name}={_short(value)} is not supported by this server{HINTS.get(name, '')}",
+                raise APIError(400, f"{_shown(name, value)} is not supported by this server{HINTS.get(name, '')}",
                                name, code="unsupported_parameter")
         where = _lone_surrogate(self.model_dump(), "")
         if where is not None:
             # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer can encode that.
-            raise APIError(400, f"{where or 'the request'} holds a lone UTF-16 surrogate (an unpaired \\uD800-"
-                                f"\\uDFFF escape), which is not Unicode text", where or None)
+            raise APIError(400, f"{where or 'the request'} holds a lone surrogate (half of a UTF-16 pair), which "
+                                f"is not Unicode text", where or None)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -124,9 +124,11 @@ def check_fits(prompt_lengths: list[int], max_tokens: int, max_context: int, mos
                        code="context_length_exceeded")
 
 
-def _short(value) -> str:
+def _shown(name: str, value) -> str:
+    if isinstance(value, (dict, list)):
+        return name  # a tool list or a schema is too long to repeat
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return f"{name}={text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def _lone_surrogate(value, where: str) -> str | None:
