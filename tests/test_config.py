@@ -109,15 +109,18 @@ def test_cli_refuses_invalid_toml_a_bad_tokenizer_and_a_run_dir_that_is_a_file(t
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    """A run that logged a step is kept (one that never finished a step may be started
+    again: tests/test_run_integrity.py)."""
     from llmsplit.cli import main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("[train]\nsteps = 1\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.6}\n')
     assert main(["train", "--run-dir", str(run_dir)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (run_dir / "config.toml").read_text() == "[train]\nsteps = 1\n"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "metrics.jsonl"]
 
 
 def test_every_command_has_help():
