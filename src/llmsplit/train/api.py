@@ -135,7 +135,8 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
-    if run_dir is not None and (not torchrun or int(os.environ["RANK"]) == 0):
+    rank0 = not torchrun or int(os.environ["RANK"]) == 0
+    if run_dir is not None and rank0:
         check_free(run_dir)  # a run in progress is named before anything else is said about its folder
     if resume == "auto" and run_dir is None:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
@@ -145,8 +146,9 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         if finished_steps(run_dir):
             raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
                               f"or choose another --run-dir")
-        print(f"llmsplit: --run-dir {run_dir} holds a run that never finished a step; starting it again",
-              file=sys.stderr, flush=True)
+        if rank0:
+            print(f"llmsplit: --run-dir {run_dir} holds a run that never finished a step; starting it again",
+                  file=sys.stderr, flush=True)
     return resume_from
 
 
