@@ -167,6 +167,19 @@ def test_an_index_never_leads_out_of_the_folder(tmp_path, good, capsys, outside)
     assert llmsplit.load(folder).config.n_layers == 2
 
 
+def test_an_index_whose_files_are_not_downloaded_plans_from_config_json(tmp_path, good, capsys):
+    # config.json and the index alone, as one fetches them to plan before downloading the weights.
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text((good / "config.json").read_text())
+    weight_map = {to_hf_name(n): "model-00001-of-00002.safetensors" for n in weights_of(SIZES)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    capsys.readouterr()
+    assert main(["plan", "--model", str(folder), "--gpus", "1", "--json"]) == 0, capsys.readouterr().err
+    err = refused(capsys, "generate", "--model", str(folder), "hi")
+    assert "model-00001-of-00002.safetensors' is not a readable safetensors file" in err, err
+
+
 def write_gguf(path, metadata=None, tensors=None):
     """A GGUF file of SIZES with a byte-free word tokenizer; `metadata` (key -> value, added as
     the gguf writer's add_* calls would) replaces the llama.* keys, `tensors` replaces tensors."""

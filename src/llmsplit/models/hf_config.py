@@ -58,7 +58,9 @@ def is_hf_folder(path: str | Path) -> bool:
 def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
     """The model config of a Hugging Face folder, and its config.json as parsed (for the
     keys that are not sizes: eos ids, dtype). A folder with weights has them checked against
-    the config first: the layer count, then every tensor's shape."""
+    the config first: the layer count, then every tensor's shape. One whose index names files
+    not downloaded yet (to plan before fetching gigabytes) is read as a config alone; the
+    loader names the missing file."""
     where = str(Path(folder) / "config.json")
     try:
         raw = json.loads(Path(where).read_text())
@@ -68,7 +70,7 @@ def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedHFConfig(f"{where!r} holds {type(raw).__name__}, not the JSON object of a model config")
     cfg = config_from_hf(raw, where)
     files = weight_files(folder)
-    if files:
+    if files and all((Path(folder) / f).is_file() for f in files):
         problem = shape_mismatch(cfg, weight_shapes(folder, files), to_hf_name, "num_hidden_layers")
         if problem:
             raise UnsupportedHFConfig(f"{str(folder)!r}: config.json does not match the safetensors weights: "
