@@ -73,9 +73,10 @@ def check_source(source: str, tokenizer) -> None:
 def check_tokenizer(source: str, header: dict, tokenizer) -> None:
     """Refuse a token file made with another tokenizer. Tokenizers are compared by content:
     the file named by another path (relative, absolute, a run's copy) is the same tokenizer."""
-    made_with = header.get("tokenizer_fingerprint") or _fingerprint_of(header["tokenizer"])
+    named = str(header.get("tokenizer"))
+    made_with = header.get("tokenizer_fingerprint") or _fingerprint_of(named)
     if made_with != tokenizer.fingerprint:
-        raise ConfigError(f"data.source={source!r} was tokenized with {header['tokenizer']!r}, another tokenizer "
+        raise ConfigError(f"data.source={source!r} was tokenized with {named!r}, another tokenizer "
                           f"than data.tokenizer={tokenizer.name!r}; set data.tokenizer to the one `llmsplit prepare` "
                           f"used, or prepare the data again with --tokenizer {tokenizer.name}")
 
