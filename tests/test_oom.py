@@ -42,7 +42,8 @@ def test_a_workers_memory_figures_reach_the_launcher_as_data(tmp_path, monkeypat
     exception's class and fields, not a message to parse."""
     from types import SimpleNamespace
 
-    from llmsplit.launch import _carried, worker_entry
+    from llmsplit.launch import worker_entry
+    from llmsplit.launch.workers import _carried
 
     error_file = tmp_path / "attempt_0" / "1" / "error.json"
     error_file.parent.mkdir(parents=True)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from llmsplit.launch import _root_failure, free_port, start_method
+from llmsplit.launch import free_port, start_method
+from llmsplit.launch.workers import _root_failure
 
 from helpers import TINY, assert_close_losses, losses, run_cli, train
 

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from ..data.loader import BatchSampler
 from ..io.hf import HFWeights
 from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
+from ..launch import join_job
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.mesh import Mesh, ParallelDims
 from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
@@ -65,33 +65,11 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: int) ->
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / denominator
 
 
-def _setup_process_group(timeout_s: float) -> torch.device:
-    timeout = timedelta(seconds=timeout_s)
-    # The elastic agent keeps one store for the whole job (the static rendezvous reuses
-    # it after a restart), so a restarted worker could read an address its dead
-    # predecessor published and fail to connect. Keys are kept apart per attempt.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"llmsplit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    group = {"store": store, "rank": rank, "world_size": world, "timeout": timeout}
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device, **group)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", **group)
-    threads = int(os.environ.get("LLMSPLIT_THREADS", "0")) or max(
-        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    torch.set_num_threads(threads)
-    return device
-
-
 def train_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
     """The work of one worker process (started through `train.entry.run_worker`): rank 0
     returns the run's summary (what summary.json holds), the other ranks None."""
     cfg = config_from_toml(config_text)
-    device = _setup_process_group(cfg.train.timeout_s)
+    device = join_job(cfg.train.timeout_s)
     hangs = HangReporter(cfg.train.timeout_s)
     try:
         return Trainer(cfg, run_dir, resume, device, hangs).train()

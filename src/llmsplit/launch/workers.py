@@ -1,25 +1,20 @@
-"""Starting worker processes: torch's elastic launcher (what `torchrun` runs) for local
-and multi-node jobs, or the environment `torchrun` already set up; and, for inference,
-the follower ranks of a job whose rank 0 is the calling process (`Followers`)."""
+"""Worker processes of a whole job: torch's elastic launcher (what `torchrun` runs) for
+local and multi-node jobs, joining the job a worker finds itself in (`join_job`), and what a
+failed worker reported."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import logging
 import os
-import shutil
-import signal
 import socket
-import tempfile
-import threading
-import time
 import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..errors import ConfigError
 
 
 class LaunchError(RuntimeError):
@@ -80,8 +75,6 @@ def _carried(failure) -> dict:
 def check_master_addr(addr: str, port: int | None) -> None:
     """A master address that does not resolve is a typo, not a network failure: say so
     before waiting timeout_s for a rendezvous that cannot happen."""
-    from .config import ConfigError
-
     try:
         socket.getaddrinfo(addr, port)
     except (socket.gaierror, UnicodeError) as e:
@@ -134,8 +127,6 @@ def start_method() -> str:
     chosen = os.environ.get("LLMSPLIT_START_METHOD")
     if chosen:
         if chosen not in ("spawn", "fork", "forkserver"):
-            from .config import ConfigError
-
             raise ConfigError(f"LLMSPLIT_START_METHOD={chosen!r} is not one of spawn, fork, forkserver; "
                               f"unset it or pick one")
         return chosen
@@ -185,7 +176,7 @@ def _root_failure(failures: dict) -> tuple[int, str]:
     return rank, detail(failure)
 
 
-def _failure_error(failures: dict, doing: str = "") -> LaunchError:
+def failure_error(failures: dict, doing: str = "") -> LaunchError:
     """The LaunchError for failed workers ({global rank: torch's ProcessFailure}): the rank
     that failed first, its last line, and what its exception carried (worker_entry)."""
     rank, detail = _root_failure(failures)
@@ -194,7 +185,7 @@ def _failure_error(failures: dict, doing: str = "") -> LaunchError:
                        details=carried.get("details"))
 
 
-def _prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
+def prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
     """What every start of local workers shares (`launch` and `Followers`): torch's elastic
     logging at warnings, the malloc policy, the start method, and each worker's thread
     count, returned as the environment that carries it: the cores shared among the workers
@@ -228,7 +219,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         if nnodes > 1:
             raise ValueError("--master-port is required with --nnodes > 1")
         master_port = free_port()
-    method, threads = _prepare_workers(nproc)
+    method, threads = prepare_workers(nproc)
     os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
@@ -240,7 +231,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        raise _failure_error(e.failures) from None
+        raise failure_error(e.failures) from None
     except DistError as e:
         if nnodes == 1:
             raise
@@ -253,135 +244,34 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
 
 
 # Each follower adds 1 here once it has reached rank 0's store (the env:// rendezvous).
-_JOINED = "llmsplit/followers_joined"
 
 
-def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple):
-    """A follower's life: join rank 0's job through torchrun's env:// rendezvous (the
-    variables Followers set), then run `entrypoint(*args)` as one of its ranks."""
+def attempt_store(store):
+    """The elastic agent keeps one store for the whole job (the static rendezvous reuses it
+    after a restart), so a restarted worker could read an address its dead predecessor
+    published and fail to connect. Keys are kept apart per attempt."""
+    return dist.PrefixStore(f"llmsplit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def join_job(timeout_s: float, backend: str | None = None, announce: str | None = None) -> torch.device:
+    """Join the job that torchrun's variables describe (env:// rendezvous: what `launch`,
+    `Followers` and torchrun itself set) as this process's rank: NCCL on its local GPU, or
+    gloo on the CPU, and its share of the cores. `announce`: a store key counted up once the
+    rendezvous is reached, before the group forms (Followers' rank 0 watches it)."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store.add(_JOINED, 1)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    torch.set_num_threads(int(os.environ["LLMSPLIT_THREADS"]))
-    try:
-        return entrypoint(*args)
-    finally:
-        dist.destroy_process_group()
-
-
-class Followers:
-    """Ranks 1..world-1 of a job whose rank 0 is the calling process, which goes on running
-    (an interactive session, an HTTP server) and drives them until it closes them; once
-    this returns, the default process group spans all `world` ranks. `launch` instead
-    runs every rank in a worker and returns when all have ended: right for training, not
-    for a model that stays loaded.
-
-    The followers are started by the process layer of torch's elastic launcher
-    (`start_processes`, with `launch`'s start method, thread count and malloc policy) and
-    join through torchrun's env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
-    LOCAL_RANK), rank 0 hosting the store. They are polled, not waited on: `wait_until`
-    names a follower that dies while rank 0 waits for something (a barrier on a dead rank
-    would block for the full timeout instead)."""
-
-    def __init__(self, entrypoint, args: tuple, world: int, backend: str, timeout_s: float = 600.0):
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-
-        method, threads = _prepare_workers(world)
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
-        self._log_dir = tempfile.mkdtemp(prefix="llmsplit-followers-")
-        job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), **threads}
-        # start_processes numbers its processes from 0 (their error files, its failures).
-        envs = {i: {**job, "RANK": str(i + 1), "LOCAL_RANK": str(i + 1)} for i in range(world - 1)}
-        follower = (entrypoint, backend, timeout_s, args)
-        try:
-            with _signal_handlers_kept():  # start() installs torchrun's handlers; the caller keeps its own
-                self._procs = start_processes("llmsplit-followers", _run_follower, dict.fromkeys(envs, follower),
-                                              envs, DefaultLogsSpecs(log_dir=self._log_dir), start_method=method)
-        except BaseException:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-            raise
-        self._threads = torch.get_num_threads()
-        # Left running, the followers would keep this process from exiting (they are not daemons).
-        atexit.register(self.kill)
-        try:
-            self.wait_until(lambda: self.store.add(_JOINED, 0) == world - 1, " while starting")
-            dist.init_process_group(backend, store=self.store, rank=0, world_size=world, timeout=timeout)
-        except BaseException:
-            self.kill()
-            raise
-        torch.set_num_threads(int(threads["LLMSPLIT_THREADS"]))  # rank 0 takes its share of the cores
-
-    def wait_until(self, done, doing: str) -> None:
-        """Poll `done()` until it is true; a follower that dies meanwhile raises LaunchError
-        naming its rank and `doing` (e.g. " while loading the model"). A collective that
-        `done` waits on may notice the death first ("Connection closed by peer"): the
-        follower's own failure is then reported instead, once its exit shows."""
-        while True:
-            self._raise_if_ended(0, doing)
-            try:
-                if done():
-                    return
-            except RuntimeError:
-                self._raise_if_ended(5, doing)
-                raise
-            time.sleep(0.02)
-
-    def _raise_if_ended(self, timeout_s: float, doing: str) -> None:
-        with _quiet_process_layer():
-            result = self._procs.wait(timeout_s, period=0.02)
-        if result is None:
-            return
-        failures = {rank + 1: f for rank, f in result.failures.items()}
-        if not failures:
-            raise LaunchError(f"the worker ranks returned{doing}, before rank 0 told them to stop")
-        raise _failure_error(failures, doing) from None
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Leave the job once the followers have been told to stop, and let them end."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._procs.wait(timeout_s, period=0.02)
-        self.kill()
-
-    def kill(self) -> None:
-        """End the followers that still run, drop rank 0's part of the job and its files."""
-        atexit.unregister(self.kill)
-        with _quiet_process_layer():
-            self._procs.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
-        shutil.rmtree(self._log_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _quiet_process_layer():
-    """torch's process layer logs a failed follower with a traceback of its own (naming its
-    local rank, one less than its rank) and each one it ends; the LaunchError says what
-    matters once, by rank."""
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-@contextlib.contextmanager
-def _signal_handlers_kept():
-    """Put back the main thread's handlers of the signals that torchrun's process layer
-    takes over: SIGINT must stay KeyboardInterrupt in an interactive session, SIGTERM the
-    server's graceful stop."""
-    main = threading.current_thread() is threading.main_thread()
-    names = [n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if main and hasattr(signal, n)]
-    saved = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in names}
-    try:
-        yield
-    finally:
-        for number, handler in saved.items():
-            if handler is not None:
-                signal.signal(number, handler)
+    if announce:
+        store.add(announce, 1)
+    group = {"store": attempt_store(store), "rank": rank, "world_size": world, "timeout": timeout}
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, **group)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", **group)
+    threads = int(os.environ.get("LLMSPLIT_THREADS", "0")) or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(threads)
+    return device
