@@ -258,8 +258,9 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
                      f"suggestions allow for that)")
     if found:
         lines.append("changes that fit (each checked by the placement, with a margin; fewest flags first):")
-        lines += [f"  {' '.join(f'{flag} {value}' for flag, value, _ in change):<40} # "
-                  + "; ".join(why for _, _, why in change) for change in found]
+        flags = [" ".join(f"{flag} {value}" for flag, value, _ in change) for change in found]
+        width = max(len(f) for f in flags)
+        lines += [f"  {f:<{width}}  # " + "; ".join(why for _, _, why in change) for f, change in zip(flags, found)]
     else:
         tried = ["--max-context"] + ["--max-batch"] * max_batch_flag + ["--offload-dir"] * offload + \
                 ["--dtype bf16"] * (sizes.dtype_bytes == 4) + ["--tp/--pp"] * (gpus > 1)
@@ -277,9 +278,9 @@ def _budget_changes(sizes, fits, *, offload: bool, max_batch_flag: bool, min_con
     every set that contains it no suggestion."""
     from itertools import combinations
 
-    toggles = ([("--offload-dir", "DIR", "layers that fit in no budget are read from disk (slow)")]
+    toggles = ([("--offload-dir", "DIR", "what fits in no budget is read from disk (slow)")]
                if offload else []) + \
-              ([("--dtype", "bf16", "half the bytes; results differ slightly")] if sizes.dtype_bytes == 4 else [])
+              ([("--dtype", "bf16", "half the bytes (results differ slightly)")] if sizes.dtype_bytes == 4 else [])
     found, enough = [], []
     for n in range(len(toggles) + 1):
         for chosen in combinations(toggles, n):
@@ -304,7 +305,7 @@ def _shrinks(sizes, fits, max_batch_flag: bool, min_context: int) -> list[list[t
         return next((v for v in _halvings(s.context, max(16, min_context)) if fits(replace(s, context=v))), None)
 
     def context_change(v):
-        return ("--max-context", str(v), f"prompt + generated text at most {v} tokens")
+        return ("--max-context", str(v), f"prompt + output at most {v} tokens")
 
     out = []
     if (context := largest_context(sizes)) is not None:
