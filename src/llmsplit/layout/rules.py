@@ -13,6 +13,7 @@ import math
 
 from ..errors import ConfigError
 from ..models.llama import LlamaConfig
+from ..models.weight_shapes import structure_problem
 from .spec import CHECKPOINTING, MODES, OFFLOADS, SCHEDULES, V_SCHEDULES, Layout, Workload, stages_per_rank
 
 _TRAIN_NAMES = {"dp": "parallel.dp", "dp_replicate": "parallel.dp_replicate", "zero": "parallel.zero",
@@ -80,16 +81,14 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
 
 
 def check_model(model: LlamaConfig) -> None:
-    """The shape rules of the decoder itself, whatever the layout."""
+    """The shape rules of the decoder itself, whatever the layout: the same ones the model
+    readers apply to a file's metadata (`models.weight_shapes.structure_problem`)."""
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be at least 1")
-    if model.dim % model.n_heads:
-        raise ConfigError(f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
-    if model.n_heads % model.n_kv_heads:
-        raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.n_kv_heads}")
-    if model.head_dim % 2:
-        raise ConfigError(f"model.dim / model.n_heads = {model.head_dim} must be even for rotary embeddings")
+    problem = structure_problem(model, lambda field: f"model.{field}")
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_degrees(layout: Layout, work: Workload | None) -> None:

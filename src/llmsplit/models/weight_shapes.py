@@ -48,6 +48,8 @@ def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str 
     if cfg.n_layers > MAX_LAYERS:
         return (f"{key('n_layers')} is {cfg.n_layers}, more layers than llmsplit builds ({MAX_LAYERS}; the largest "
                 f"published models have under 200)")
+    if cfg.dim % cfg.n_heads:
+        return f"{key('dim')} {cfg.dim} is not a multiple of {key('n_heads')} {cfg.n_heads} (every head is as wide)"
     if cfg.n_kv_heads > cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         return (f"{key('n_heads')} {cfg.n_heads} is not a multiple of {key('n_kv_heads')} {cfg.n_kv_heads} "
                 f"(each key/value head serves a whole group of query heads)")

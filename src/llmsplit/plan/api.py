@@ -3,6 +3,7 @@ training config (for the trainer's self-check), and a runnable config for a layo
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
 from .hardware import Device, get_device
-from ..layout import PRECISIONS, Layout, Workload, check, parse_layout, stage_layers
+from ..layout import PRECISIONS, Layout, Workload, check, check_model, parse_layout, stage_layers
 from .search import accepts, evaluate, search
 
 
@@ -59,6 +60,7 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
     if nodes is not None and (nodes < 1 or gpus % nodes):
         raise ConfigError(f"--nodes {nodes} must be at least 1 and divide --gpus {gpus}")
     cfg_model, name, source = resolve_model(model, tokenizer_vocab)
+    check_model(cfg_model)  # before anything is sized per layer
     per_node = gpus // nodes if nodes else None
     device = get_device(gpu, workers_per_node=per_node or gpus, cpu_measured=cpu_measured)
     if per_node is None:
@@ -128,7 +130,7 @@ def _fixed_layout(layout, gpus: int) -> Layout | None:
 
 def layout_config(source: Config | None, name: str, model: LlamaConfig, layout: Layout, work: Workload) -> Config:
     """A training config that runs `layout` (a copy of `source` when planning from one)."""
-    cfg = load_config(None) if source is None else Config(**{k: replace(v) for k, v in vars(source).items()})
+    cfg = load_config(None) if source is None else copy.deepcopy(source)
     if source is None:
         if name in PRESETS:
             cfg.model.preset = name
