@@ -127,18 +127,7 @@ def storage_problem(path: str | Path, metadata: dcp_metadata.Metadata) -> str | 
     return None
 
 
-def first_shape_mismatch(metadata: dcp_metadata.Metadata, expected: dict[str, tuple[int, ...]],
-                         prefix: str = "model.") -> str | None:
-    """The first tensor whose shape (or presence) differs between the checkpoint and
-    `expected` (parameter name -> shape), in the model's order, or None."""
-    saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-             if k.startswith(prefix) and hasattr(v, "size")}
-    for name, shape in expected.items():
-        if name not in saved:
-            return f"tensor {name} {list(shape)} of this model is not in the checkpoint"
-        if saved[name] != tuple(shape):
-            return f"tensor {name} is {list(saved[name])} in the checkpoint but {list(shape)} in this model"
-    extra = [name for name in saved if name not in expected]
-    if extra:
-        return f"tensor {extra[0]} {list(saved[extra[0]])} of the checkpoint is not in this model"
-    return None
+def saved_model_shapes(metadata: dcp_metadata.Metadata, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of every model tensor a checkpoint's metadata records (no data read)."""
+    return {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and hasattr(v, "size")}

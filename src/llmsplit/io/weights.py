@@ -57,9 +57,7 @@ class RunWeights:
         self.dtype = torch.float32
         # The sizes of config.toml against the shapes the checkpoint's metadata records, before
         # any tensor is allocated (a config.toml saying 10⁹ layers is refused, not built).
-        metadata = dcp_files.read_metadata(ck).state_dict_metadata
-        saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
-                 if k.startswith("model.") and hasattr(v, "size")}
+        saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(ck))
         problem = shape_mismatch(self.config, saved, layers_key="model.n_layers")
         if problem:
             raise ConfigError(f"{str(run_dir / CONFIG_FILE)!r} does not match checkpoint {str(ck)!r}: {problem}; "

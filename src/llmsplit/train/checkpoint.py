@@ -34,7 +34,7 @@ from ..io import dcp_files
 from ..io.checksums import file_records
 from ..io.disk_full import writing
 from ..io.run_dir import METADATA_FILE, STATE_FILE, list_checkpoints
-from ..models.llama import Transformer
+from ..models.weight_shapes import shape_mismatch
 from ..parallel.data_parallel import local_optimizer
 
 # Optimizer state keyed by parameter name ("state.<name>.exp_avg"), one entry per
@@ -140,10 +140,8 @@ def check_fits(path: Path, model_cfg) -> None:
     """Refuse, before any worker starts, a checkpoint whose tensors are not this model's:
     DCP would otherwise fail deep inside a load on every rank, or (for a missing tensor)
     silently keep the fresh initialisation."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    mismatch = dcp_files.first_shape_mismatch(dcp_files.read_metadata(path), expected)
+    saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(path))
+    mismatch = shape_mismatch(model_cfg, saved, layers_key="model.n_layers")
     if mismatch:
         raise ConfigError(f"checkpoint {str(path)!r} is not of this model: {mismatch}; resume with the [model] "
                           f"settings it was trained with (its run folder's config.toml)")
