@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..io.procfs import proc_bytes
 from ..plan.hardware import GiB, Device, cpu_device, nearest_catalogue_device
 
 
@@ -83,13 +84,7 @@ def measure_cpu(refresh: bool = False) -> dict:
 
 
 def _mem_total() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    return proc_bytes("/proc/meminfo", "MemTotal") or 8 * GiB
 
 
 def _best_rate(fn, work: float, seconds: float = 0.15) -> float:
@@ -167,6 +162,7 @@ for _ in range(2):
     opt.step()
     opt.zero_grad()
 dist.barrier()
+# Read by hand: importing llmsplit here would add its own modules to the baseline it measures.
 print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 dist.destroy_process_group()
 """

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..config import ConfigError
+from ..io.procfs import proc_bytes
 from ..models.llama import LlamaConfig
 
 GiB = 1 << 30
@@ -333,14 +334,7 @@ def parse_max_memory(spec, what: str = "--max-memory") -> dict[str, int]:
 
 
 def available_cpu_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    return proc_bytes("/proc/meminfo", "MemAvailable") or 8 * GiB
 
 
 def detect_budgets(max_memory=None, offload_dir=None) -> dict[str, int | None]:

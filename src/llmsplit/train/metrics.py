@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..io.procfs import proc_bytes
 from ..parallel.data_parallel import local_optimizer
 
 
@@ -55,14 +56,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the allocator's peak. CPU: the process's peak resident size (VmHWM)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_bytes("/proc/self/status", "VmHWM") or 0
 
 
 def rank_peaks(device: torch.device) -> list[int]:
