@@ -129,6 +129,9 @@ def runner(*args, **kwargs):
 split.Runner = runner
 
 if __name__ == "__main__":
+    if sys.argv[2] == "raise":  # through the command line: one line on stderr, exit status 1
+        from llmsplit.cli import main
+        sys.exit(main(["generate", "--model", sys.argv[1], "--tp", "2", "hi"]))
     try:
         llmsplit.load(sys.argv[1], tp=2)
     except LaunchError as e:
@@ -143,4 +146,9 @@ def test_a_worker_that_dies_while_loading_is_named(folder, tmp_path, how, report
     script.write_text(DYING_RANK_1)
     # Rank 0 watches the follower: it does not wait out the process group's 10-minute timeout.
     out = subprocess.run([sys.executable, str(script), str(folder), how], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == f"worker rank 1 failed while loading the model: {reported}", out.stderr
+    if how == "exit":
+        assert out.stdout.strip() == f"worker rank 1 failed while loading the model: {reported}", out.stderr
+    else:  # `llmsplit generate --tp 2`: the worker's own error in one line, no traceback
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert (f"llmsplit: generate failed: worker rank 1 failed while loading the model: {reported}"
+                in out.stderr.splitlines()), out.stderr

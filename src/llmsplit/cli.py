@@ -10,6 +10,7 @@ import sys
 
 from .cli_args import build_parser
 from .config import ConfigError
+from .launch import LaunchError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llmsplit: error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:  # a worker of generate/serve --tp/--pp died: its rank and error, no traceback
+        print(f"llmsplit: {args.func.__name__.removeprefix('cmd_')} failed: {e}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("llmsplit: interrupted", file=sys.stderr)
         return 130

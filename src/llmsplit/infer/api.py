@@ -106,14 +106,14 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     # The pool holds max_batch full contexts, which is what placement budgeted for.
     num_blocks = max_batch * -(-max_context // block_size)
     if tp > 1 or pp > 1:
-        split_layout(cfg, tp, pp)
+        layout = split_layout(cfg, tp, pp)
         if max_memory or offload_dir or device_map not in (None, "auto"):
             raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
                               "--max-memory and --offload-dir")
         if compile:
             raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-        runner = SplitRunner(split_spec(path, tp, pp, dtype, num_blocks, block_size, max_context))
-        dmap = _split_map(cfg, tp, pp)
+        runner = SplitRunner(split_spec(path, layout, dtype, num_blocks, block_size, max_context))
+        dmap = _split_map(cfg, layout)
         placement = None
     else:
         budgets = detect_budgets(max_memory, offload_dir)
@@ -140,10 +140,10 @@ def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
     engine.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
 
 
-def _split_map(cfg, tp: int, pp: int) -> dict[str, str]:
-    from .distributed import rank_device, split_layout, stage_units
+def _split_map(cfg, layout) -> dict[str, str]:
+    from .distributed import rank_device, stage_units
 
-    layout, dmap = split_layout(cfg, tp, pp), {}
+    tp, pp, dmap = layout.tp, layout.pp, {}
     for stage in range(pp):
         ranks = list(range(stage * tp, (stage + 1) * tp))
         where = ", ".join(f"{rank_device(r, tp * pp)} (rank {r})" for r in ranks)

@@ -49,13 +49,9 @@ class SplitSpec:
         return self.layout.world
 
 
-def _layout(tp: int, pp: int) -> Layout:
-    return Layout(tp=tp, pp=pp, sequence_parallel=False)
-
-
 def split_layout(cfg, tp: int, pp: int) -> Layout:
     """The layout of `--tp/--pp`, refused by the same rules training and the planner use."""
-    layout = _layout(tp, pp)
+    layout = Layout(tp=tp, pp=pp, sequence_parallel=False)
     check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer"))
     return layout
 
@@ -163,5 +159,5 @@ class SplitRunner:
         self.followers = None
 
 
-def split_spec(path: str, tp: int, pp: int, dtype, num_blocks: int, block_size: int, max_context: int) -> SplitSpec:
-    return SplitSpec(str(path), _layout(tp, pp), dtype, num_blocks, block_size, max_context)
+def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int) -> SplitSpec:
+    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context)
