@@ -57,22 +57,23 @@ class BlockPool:
 
     def step(self, seq_ids: list[int], n_new: int) -> "Step":
         """The step that writes the last n_new tokens of each sequence (already appended)."""
+        # Built from Python lists in a few tensor ops: it runs once per decoded token.
         bs = self.block_size
-        lengths = torch.tensor([self.lengths[s] for s in seq_ids])
-        starts = lengths - n_new
-        width = int(lengths.max())
-        tables = torch.zeros(len(seq_ids), self.blocks_for(width), dtype=torch.long)
-        for row, s in enumerate(seq_ids):
-            tables[row, :len(self.tables[s])] = torch.tensor(self.tables[s])
-        j = torch.arange(width)
-        gather = tables[:, j // bs] * bs + j % bs  # [b, width]: slot of each key position
-        new = starts[:, None] + torch.arange(n_new)  # positions of the new tokens
-        slots = gather.gather(1, new).reshape(-1)
-        if bool((starts == starts[0]).all()):
-            # Every sequence at the same position: the model's own causal rules apply.
-            return Step(int(starts[0]), slots, gather, None)
-        mask = j[None, None, :] <= new[:, :, None]  # [b, s, width]: each query sees its past
-        return Step(starts, slots, gather, mask[:, None])
+        lengths = [self.lengths[s] for s in seq_ids]
+        starts = [n - n_new for n in lengths]
+        width = max(lengths)
+        blocks = self.blocks_for(width)
+        tables = torch.tensor([self.tables[s] + [0] * (blocks - len(self.tables[s])) for s in seq_ids])
+        # [b, width]: slot of each key position (padding points at block 0)
+        # Fresh contiguous tensors, whatever the batch: a compiled decode step guards on their strides.
+        gather = (tables[:, :, None] * bs + torch.arange(bs)).view(len(seq_ids), -1)[:, :width].contiguous()
+        if all(st == starts[0] for st in starts):
+            # Every sequence at the same position (so all end at width): the model's own causal rules apply.
+            return Step(starts[0], gather[:, starts[0]:].flatten().clone(), gather, None)
+        start = torch.tensor(starts)
+        new = start[:, None] + torch.arange(n_new)  # positions of the new tokens
+        mask = torch.arange(width)[None, None, :] <= new[:, :, None]  # [b, s, width]: each query sees its past
+        return Step(start, gather.gather(1, new).reshape(-1), gather, mask[:, None])
 
 
 @dataclass
@@ -105,18 +106,20 @@ class PagedKVCache:
         # Moved once per step and device, not once per layer.
         if device not in self._on:
             s = self._step
-            self._on[device] = (s.slots.to(device), s.gather.to(device),
+            self._on[device] = (s.slots.to(device), s.gather.reshape(-1).to(device),
                                 None if s.mask is None else s.mask.to(device))
         return self._on[device]
 
     def update(self, layer_id: int, start_pos, k: torch.Tensor, v: torch.Tensor):
         """Store the new k/v [b, kv_heads, s, head_dim]; return every key/value of each
         sequence, [b, kv_heads, width, head_dim]."""
-        slots, gather, _ = self._indices(k.device)
+        slots, gather, _ = self._indices(k.device)  # gather flattened: index_select is the cheapest read
         kp, vp = self.k[layer_id], self.v[layer_id]
         kp.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *kp.shape[1:]))
         vp.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *vp.shape[1:]))
-        return kp[gather].transpose(1, 2), vp[gather].transpose(1, 2)
+        shape = (k.shape[0], -1, *kp.shape[1:])
+        return (kp.index_select(0, gather).view(shape).transpose(1, 2),
+                vp.index_select(0, gather).view(shape).transpose(1, 2))
 
     def attn_mask(self, device: torch.device):
         return self._indices(device)[2]

@@ -55,6 +55,31 @@ def tp_shard(name: str, rank: int, size: int):
     return None
 
 
+def fuse_projections(layers) -> None:
+    """Give each layer's attention one q/k/v weight and its MLP one gate/up weight, so a
+    decode step runs 3 matmuls a layer instead of 7 (at batch 1 on a small model the
+    per-op overhead is a large share of a token). The separate weights become views of the
+    fused ones: one copy in memory, the same parameter names. Offloaded layers are left
+    alone, because their hooks swap the separate weights in and out."""
+    for layer in layers:
+        att, ff = layer.attention, layer.feed_forward
+        parts = (att.wq, att.wk, att.wv)
+        weight = torch.cat([m.weight for m in parts])
+        bias = torch.cat([m.bias for m in parts]) if att.wq.bias is not None else None
+        row = 0
+        for m in parts:
+            n = m.weight.shape[0]
+            set_parameter(m, "weight", weight[row:row + n])
+            if bias is not None:
+                set_parameter(m, "bias", bias[row:row + n])
+            row += n
+        att.qkv = (weight, bias, att.wq.weight.shape[0] // att.head_dim, att.wk.weight.shape[0] // att.head_dim)
+        gate_up = torch.cat([ff.w1.weight, ff.w3.weight])
+        set_parameter(ff.w1, "weight", gate_up[:ff.w1.weight.shape[0]])
+        set_parameter(ff.w3, "weight", gate_up[ff.w1.weight.shape[0]:])
+        ff.gate_up = gate_up
+
+
 class Runner:
     def __init__(self, source, spec: PieceSpec):
         cfg = replace(source.config, max_seq_len=spec.max_context)
@@ -103,6 +128,7 @@ class Runner:
         cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first, scaling=cfg.rope_scaling)
         model.rope_cos, model.rope_sin = cos, sin
         self._move_at_device_changes(model)
+        fuse_projections([model.layers[str(i)] for i in owned if f"layers.{i}" not in offloaded])
         if spec.tp_size > 1:
             for i in owned:
                 layer = model.layers[str(i)]

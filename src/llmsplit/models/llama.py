@@ -174,13 +174,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
+    # Set by `fuse_projections` for inference: [wq; wk; wv] as one weight (and bias), and the
+    # head counts of q and k in it. None: three matmuls (training, offloaded layers).
+    qkv: tuple | None = None
+
     def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0):
         b, s, _ = x.shape
-        # -1 heads: under tensor parallel each rank sees only its share of the heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv is not None:
+            # One matmul and one rotary pass over the q and k heads together: at batch 1 the
+            # per-op overhead is a large share of a decode step's time.
+            weight, bias, nq, nk = self.qkv
+            qkv = F.linear(x, weight, bias).view(b, s, -1, self.head_dim)
+            qk = apply_rope(qkv[:, :, :nq + nk], cos, sin)
+            q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nk:]
+        else:
+            # -1 heads: under tensor parallel each rank sees only its share of the heads.
+            q = self.wq(x).view(b, s, -1, self.head_dim)
+            k = self.wk(x).view(b, s, -1, self.head_dim)
+            v = self.wv(x).view(b, s, -1, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         mask = None
         if kv_cache is not None:
@@ -213,7 +225,12 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
 
+    gate_up: torch.Tensor | None = None  # set by `fuse_projections`: [w1; w3] as one weight
+
     def forward(self, x):
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
