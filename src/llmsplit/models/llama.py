@@ -153,16 +153,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim], or [b, s, head_dim] when each
-    sequence of the batch is at its own position."""
+def rope_for_heads(cos: torch.Tensor, sin: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables as `apply_rope` broadcasts them over [b, s, heads, head_dim]."""
     if cos.dim() == 2:
         # The caller passes the table from the first position on: under sequence parallel
         # the caller sees only its shard of the sequence, the attention the whole of it.
-        cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
-    cos = (cos[None, :, None, :] if cos.dim() == 2 else cos[:, :, None, :]).to(x.device, x.dtype)
-    sin = (sin[None, :, None, :] if sin.dim() == 2 else sin[:, :, None, :]).to(x.device, x.dtype)
-    return x * cos + _rotate_half(x) * sin
+        return cos[:s][None, :, None, :], sin[:s][None, :, None, :]
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim], or [b, s, head_dim] when each
+    sequence of the batch is at its own position, or already shaped by `rope_for_heads`."""
+    if cos.dim() < 4:
+        cos, sin = rope_for_heads(cos, sin, x.shape[1])
+    return x * cos.to(x.device, x.dtype) + _rotate_half(x) * sin.to(x.device, x.dtype)
 
 
 class Attention(nn.Module):
@@ -281,6 +286,8 @@ class Transformer(nn.Module):
         limit = dynamic_rope_limit(self.cfg.rope_scaling) if self.cfg.rope_scaling else None
         if limit is not None:
             cos, sin = self._dynamic_rope(start_pos, s, limit, cos, sin)
+        if kv_cache is not None:  # generation: shaped once for all layers (training shards the sequence)
+            cos, sin = rope_for_heads(cos, sin, s)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, kv_cache, start_pos)
