@@ -135,7 +135,10 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
-    rank0 = not torchrun or int(os.environ["RANK"]) == 0
+    # The process that will hold the folder's lock (run_job): rank 0 inside torchrun, node 0
+    # of our own multi-node launch. The other nodes share the folder and must not look for a
+    # free lock that node 0 already holds.
+    rank0 = int(os.environ["RANK"]) == 0 if torchrun else w.node_rank == 0
     if run_dir is not None and rank0:
         check_free(run_dir)  # a run in progress is named before anything else is said about its folder
     if resume == "auto" and run_dir is None:
