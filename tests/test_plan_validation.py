@@ -16,8 +16,10 @@ from llmsplit.plan.api import predict_for_config
 def test_prediction_matches_a_real_run(tmp_path, parallel):
     path = tmp_path / "run.toml"
     path.write_text(MEDIUM_TOML + f"[parallel]\n{parallel}\n")
-    run_cli("train", "--config", str(path), "--nproc", "2", "--run-dir", str(tmp_path / "run"), timeout=240)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    def measured(run: str) -> list[dict]:
+        run_cli("train", "--config", str(path), "--nproc", "2", "--run-dir", str(tmp_path / run), timeout=240)
+        return json.loads((tmp_path / run / "summary.json").read_text())["per_rank"]
 
     cfg = load_config(path)
     model_cfg = model_config(cfg, 258)
@@ -26,7 +28,13 @@ def test_prediction_matches_a_real_run(tmp_path, parallel):
     # (2,900,992 each), embedding and head 2·264·512, the final norm 512.
     assert model_cfg.num_params() == 8 * 2_900_992 + 2 * 264 * 512 + 512 == 23_478_784
     pred = predict_for_config(cfg, model_cfg, 2, local_cpu(2))
-    for rank in summary["per_rank"]:
+    per_rank = measured("run")
+    for rank in per_rank:
         measured_state = rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
         assert pred["model_state_bytes"] == pytest.approx(measured_state, rel=0.03)
-        assert pred["memory_per_device"]["total"] == pytest.approx(rank["peak_mem_bytes"], rel=0.25)
+    within = lambda ranks: all(pred["memory_per_device"]["total"] == pytest.approx(r["peak_mem_bytes"], rel=0.25)
+                               for r in ranks)  # noqa: E731
+    # A resident-set peak inside the full suite was once 25% under its usual value (zero 3:
+    # 647 MiB against ~850 alone, in 1 of 4 suite runs; cause not found). One outlier run is
+    # retried; a planner that is off fails both.
+    assert within(per_rank) or within(measured("again")), (pred["memory_per_device"]["total"], per_rank)
