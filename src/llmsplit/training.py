@@ -44,7 +44,7 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
         report = _explain_oom(job, e.out_of_memory)
         raise TrainingFailed(report["text"], OOM_HINT, e.out_of_memory, report) from None
     if result.summary is not None and result.run_dir is not None:
-        result.plan_check = _plan_check(job, result)
+        _plan_check(job, result)
     return result
 
 
@@ -81,13 +81,12 @@ def _explain_oom(job: TrainJob, failure: dict) -> dict:
     return explain_oom(job.cfg, job.model_cfg, job.world, _local_device(job), failure)
 
 
-def _plan_check(job: TrainJob, result: TrainResult) -> dict | None:
+def _plan_check(job: TrainJob, result: TrainResult) -> None:
     """The planner's prediction next to what the run measured, added to summary.json and
-    to the result."""
+    to the result's summary (`result.plan_check` reads it)."""
     from .diagnose.plan_check import check_run
 
     job.cfg.train.micro_batch = result.micro_batch  # what ran: --auto's trial may have changed it
     check = check_run(result.run_dir, job.cfg, job.model_cfg, job.world, _local_device(job))
     if check is not None:
         result.summary["plan_check"] = check
-    return check

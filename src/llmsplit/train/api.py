@@ -53,16 +53,23 @@ class TrainResult:
     `micro_batch` is the one the run trained with (--auto's trial may have changed it)."""
     run_dir: Path | None
     summary: dict | None
-    final_loss: float | None = None
-    micro_batch: int | None = None
-    plan_check: dict | None = None
-    per_rank: list[dict] = field(default_factory=list)
 
-    @classmethod
-    def of(cls, run_dir: Path | None, summary: dict | None) -> "TrainResult":
-        if summary is None:
-            return cls(run_dir, None)
-        return cls(run_dir, summary, summary["final_loss"], summary["micro_batch"], None, summary["per_rank"])
+    # Read from the summary, so that the result and summary.json can never disagree.
+    @property
+    def final_loss(self) -> float | None:
+        return self.summary["final_loss"] if self.summary else None
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.summary["micro_batch"] if self.summary else None
+
+    @property
+    def per_rank(self) -> list[dict]:
+        return self.summary["per_rank"] if self.summary else []
+
+    @property
+    def plan_check(self) -> dict | None:
+        return self.summary.get("plan_check") if self.summary else None
 
 
 class TrainingFailed(RuntimeError):
@@ -247,7 +254,7 @@ def _run_in_torchrun(job: TrainJob, run_dir: Path) -> TrainResult:
         summary = run_worker(*_worker_args(job, run_dir))
     except MemoryLimitExceeded as e:
         raise TrainingFailed(str(e), out_of_memory=e.details) from None
-    return TrainResult.of(run_dir if summary is not None else job.run_dir, summary)
+    return TrainResult(run_dir if summary is not None else job.run_dir, summary)
 
 
 def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
@@ -288,4 +295,4 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
             raise TrainingFailed(f"{e}; {lost}", f"free space there (or set TMPDIR to a disk with room); "
                                  f"then {resume}") from None
         raise TrainingFailed(str(e), e.hint or f"the worker's traceback is printed above; {resume}") from None
-    return TrainResult.of(run_dir, returned.get(0))  # global rank 0's summary, on node 0
+    return TrainResult(run_dir, returned.get(0))  # global rank 0's summary, on node 0
