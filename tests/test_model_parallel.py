@@ -54,6 +54,15 @@ def test_layout_logs_the_single_process_loss(reference, tmp_path, nproc, sets):
             assert str(layout[key.split(".")[1]]) == value
 
 
+def test_a_vocabulary_tp_does_not_divide_logs_the_single_process_loss(tmp_path):
+    # layout.check no longer asks vocab % tp == 0: the vocabulary-parallel embedding and loss
+    # take uneven DTensor shards (130 + 129 rows of 259 on tp 2).
+    odd = [*MP, "model.vocab_size=259"]
+    train(tmp_path / "one", *odd, "train.micro_batch=8", nproc=1)
+    train(tmp_path / "tp", *odd, "parallel.tp=2", nproc=2)
+    assert_close_losses(losses(tmp_path / "tp"), losses(tmp_path / "one"))
+
+
 def test_tp4_replicates_the_two_kv_heads(reference, tmp_path):
     # MP has 2 kv heads for 4 query heads: at tp 4 each kv head lives on two ranks, and the
     # copies must get the summed gradient to stay equal (a wrong sum drifts from step 2 on).
