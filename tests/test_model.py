@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsplit.models import LlamaConfig, Transformer, preset_config
-from llmsplit.models.llama import apply_rope, rope_tables
+from llmsplit.models.rope import apply_rope, rope_tables
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_dim=96, max_seq_len=32)
 

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_leaves
 from helpers import TINY, train
 from llmsplit.config import load_config, model_config
 from llmsplit.layout import Layout, Workload
-from llmsplit.models.llama import LlamaConfig, TransformerBlock, rope_tables
+from llmsplit.models.llama import LlamaConfig, TransformerBlock
+from llmsplit.models.rope import rope_tables
 from llmsplit.diagnose.plan_check import compare
 from llmsplit.plan.api import auto_config
 from llmsplit.diagnose.probe import local_cpu, local_device

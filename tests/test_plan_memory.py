@@ -10,7 +10,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from llmsplit.models.llama import LlamaConfig, Transformer, TransformerBlock, rope_tables
+from llmsplit.models.llama import LlamaConfig, Transformer, TransformerBlock
+from llmsplit.models.rope import rope_tables
 from llmsplit.models.presets import preset_config
 from llmsplit.plan.hardware import get_device
 from llmsplit.layout import Layout, Workload

@@ -38,7 +38,7 @@ class ModelSection:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     qkv_bias: bool | None = None
-    rope_scaling: str | None = None  # JSON, as models.llama.rope_params reads it (set from model.hf)
+    rope_scaling: str | None = None  # JSON, as models.rope.rope_params reads it (set from model.hf)
 
 
 @dataclass
@@ -378,7 +378,7 @@ def model_config(cfg: Config, tokenizer_vocab: int | None = None):
         if key in ("rope_theta", "norm_eps") and not value > 0:
             raise ConfigError(f"model.{key}={value} must be greater than 0")
         if key == "rope_scaling":
-            from .models.llama import rope_params
+            from .models.rope import rope_params
 
             try:
                 rope_params(value)

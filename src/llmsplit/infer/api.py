@@ -68,7 +68,7 @@ class LoadedModel:
 def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16):
     """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
     out-of-memory explainer (`diagnose/oom.py`) explains with."""
-    from ..models.llama import dynamic_rope_limit
+    from ..models.rope import dynamic_rope_limit
 
     # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
     dynamic = dynamic_rope_limit(source.config.rope_scaling) is not None

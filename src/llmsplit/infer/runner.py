@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
-from ..models.llama import Transformer, rope_tables
+from ..models.llama import Transformer
+from ..models.rope import rope_tables
 from .kv_cache import PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement

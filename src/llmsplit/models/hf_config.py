@@ -18,7 +18,8 @@ import os
 import re
 from pathlib import Path
 
-from .llama import LlamaConfig, rope_params
+from .llama import LlamaConfig
+from .rope import rope_params
 from .weight_shapes import Shape, shape_mismatch, structure_problem
 
 
