@@ -34,6 +34,8 @@ def make_hf_folder(path: Path, arch: str = "llama", tie: bool = False, seed: int
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).float().eval()
@@ -51,3 +53,18 @@ def hf_model(path: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+
+
+def transformers_loss(folder, step: int = 0) -> float:
+    """The mean next-token loss transformers computes on llmsplit's global batch of `step`."""
+    import torch
+
+    from llmsplit.data.corpus import load_tokens
+    from llmsplit.data.loader import BatchSampler
+    from llmsplit.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(folder))
+    batch = BatchSampler(load_tokens("builtin", tok), 32, 8, 0).rank_batch(step, 0, 1)
+    with torch.no_grad():
+        logits = hf_model(folder)(batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()

@@ -62,7 +62,9 @@ def test_dynamic_scales_from_max_position_embeddings():
     ({"rope_scaling": {"type": "longrope"}}, "rope scaling 'longrope' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "llama3 rope scaling lacks low_freq_factor, high_freq_factor; add them"),
-    ({"head_dim": 128}, "head_dim 128 is not hidden_size // num_attention_heads = 576 // 9 = 64"),
+    ({"head_dim": 7}, "head_dim is 7 (hidden_size 576 / num_attention_heads 9 unless set); rotary embeddings"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True},
+     "use_sliding_window true is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM' (model_type 'gemma')"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
@@ -81,6 +83,8 @@ def test_unrepresentable_configs_refused(change, fragment):
     LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=128, max_seq_len=512,
                 rope_theta=5e5, norm_eps=1e-5, rope_scaling=json.dumps(LLAMA31_ROPE, sort_keys=True)),
     LlamaConfig(dim=64, n_layers=3, n_heads=8, vocab_size=300, ffn_dim=96, tie_embeddings=True, qkv_bias=True),
+    LlamaConfig(dim=64, n_heads=4, head_dim=32, qk_norm=True),  # Qwen3
+    LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, family="phi3"),
     LlamaConfig(max_seq_len=4096, rope_scaling=json.dumps({"rope_type": "dynamic", "factor": 2.0,
                                                           "original_max_position_embeddings": 4096}, sort_keys=True)),
 ])

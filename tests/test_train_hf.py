@@ -2,10 +2,9 @@
 computes the loss transformers computes on the same batch."""
 
 import pytest
-import torch
 
 from helpers import losses, run_cli, train
-from hf_models import hf_model, make_hf_folder
+from hf_models import make_hf_folder, transformers_loss
 
 pytestmark = pytest.mark.slow
 
@@ -19,25 +18,12 @@ def folder(tmp_path_factory):
     return make_hf_folder(tmp_path_factory.mktemp("hf") / "llama")
 
 
-def _transformers_loss(folder, step: int = 0) -> float:
-    """The mean next-token loss transformers computes on llmsplit's global batch of `step`."""
-    from llmsplit.data.corpus import load_tokens
-    from llmsplit.data.loader import BatchSampler
-    from llmsplit.io.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(str(folder))
-    batch = BatchSampler(load_tokens("builtin", tok), 32, 8, 0).rank_batch(step, 0, 1)
-    with torch.no_grad():
-        logits = hf_model(folder)(batch[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
-
-
 # FSDP × TP on 4 workers covers both sharded loaders (dp and tp slices) at once.
 @pytest.mark.parametrize("nproc, layout", [(1, []), (4, ["parallel.zero=3", "parallel.tp=2"]), (2, ["parallel.pp=2"])])
 def test_step_one_loss_is_the_transformers_loss(folder, tmp_path, nproc, layout):
     train(tmp_path / "run", f"model.hf={folder}", *SETS, *layout, nproc=nproc)
     got = losses(tmp_path / "run")
-    want = _transformers_loss(folder)
+    want = transformers_loss(folder)
     assert abs(got[0] - want) <= 1e-5 * want, (got[0], want)
     assert got[1] < got[0]  # and it trains
 

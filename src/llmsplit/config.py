@@ -20,25 +20,16 @@ else:  # pragma: no cover
 
 from .errors import ConfigError  # re-exported: callers import it from here too
 from .layout import PRECISIONS, Layout, Workload, check, resolve_dp
+from .models.llama import LlamaConfig
 
 
-@dataclass
-class ModelSection:
-    preset: str = "tiny"
-    hf: str | None = None
-    gguf: str | None = None
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    vocab_size: int | None = None
-    ffn_dim: int | None = None
-    max_seq_len: int | None = None
-    rope_theta: float | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool | None = None
-    qkv_bias: bool | None = None
-    rope_scaling: str | None = None  # JSON, as models.rope.rope_params reads it (set from model.hf)
+# [model]: where the model comes from, then every field of the model's config (LlamaConfig),
+# each unset (None) unless a file or --set names it: explicit sizes override the preset, and a
+# run's config.toml records them all, so every model feature round-trips without a list here.
+ModelSection = dataclasses.make_dataclass("ModelSection", [
+    ("preset", "str", field(default="tiny")), ("hf", "str | None", field(default=None)),
+    ("gguf", "str | None", field(default=None)),
+    *[(f.name, f"{f.type.split('|')[0].strip()} | None", field(default=None)) for f in fields(LlamaConfig)]])
 
 
 @dataclass
@@ -364,7 +355,6 @@ def model_config(cfg: Config, tokenizer_vocab: int | None = None):
     (rounded up to a multiple of 8, which tensor parallel splits evenly).
     """
     from .models.presets import PRESETS
-    from .models.llama import LlamaConfig
 
     m = cfg.model
     if m.preset not in PRESETS:
@@ -373,7 +363,8 @@ def model_config(cfg: Config, tokenizer_vocab: int | None = None):
     explicit = {f.name: getattr(m, f.name) for f in fields(m)
                 if f.name not in ("preset", "hf", "gguf") and getattr(m, f.name) is not None}
     for key, value in explicit.items():
-        if key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len") and value < 1:
+        if key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len",
+                   "head_dim") and value < 1:
             raise ConfigError(f"model.{key}={value} must be at least 1")
         if key in ("rope_theta", "norm_eps") and not value > 0:
             raise ConfigError(f"model.{key}={value} must be greater than 0")

@@ -135,7 +135,7 @@ class GGUFWeights:
             numbers[field] = float(value)
         cfg = LlamaConfig(**counts, **numbers, vocab_size=int(self._tensors["tok_embeddings.weight"].shape[1]),
                           tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2")
-        problem = structure_problem(cfg, lambda field: f"{arch}.{_COUNTS[field][0]}")
+        problem = structure_problem(cfg, lambda field: f"{arch}.{_COUNTS.get(field, ('attention.key_length',))[0]}")
         if problem:
             raise ConfigError(f"{str(self.path)!r}: GGUF metadata {problem}")
         cfg.rope_scaling = self._rope_scaling(lambda k, d=None: self._value(f"{arch}.{k}", d), cfg.head_dim)

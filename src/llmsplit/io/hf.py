@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from ..models.hf_config import (UnsupportedHFConfig, eos_ids_from_hf, from_hf_name, read_hf_config, to_hf_name,
-                                weight_files)
+from ..models.hf_config import (UnsupportedHFConfig, eos_ids_from_hf, from_hf_name, fused_parts, read_hf_config,
+                                to_hf_name, weight_files)
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import parameter_shapes
 
@@ -42,7 +42,8 @@ class HFWeights:
         self.eos_ids = eos_ids_from_hf(raw) | _generation_eos_ids(self.path)
         self.dtype = _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
         self._files = {}  # file name -> open safe_open handle (memory-mapped, opened once)
-        self._where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
+        # our name -> (file, HF name, first row, rows): a part of a fused tensor is a block of its rows
+        self._where: dict[str, tuple[str, str, int, int | None]] = {}
         for fname in files:
             try:
                 handle = safe_open(str(self.path / fname), framework="pt")
@@ -50,38 +51,41 @@ class HFWeights:
                 raise ConfigError(f"{str(self.path / fname)!r} is not a readable safetensors file ({e})") from None
             self._files[fname] = handle
             for hf_name in handle.keys():
-                ours = from_hf_name(hf_name)
+                parts = fused_parts(self.config, hf_name)
+                for ours, row, rows in parts or []:
+                    self._where[ours] = (fname, hf_name, row, rows)
+                ours = from_hf_name(hf_name) if parts is None else None
                 if ours is not None:
-                    self._where[ours] = (fname, hf_name)
+                    self._where[ours] = (fname, hf_name, 0, None)
         self.tokenizer = _folder_tokenizer(self.path)
 
     def names(self) -> list[str]:
         return expected_names(self.config)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        fname, hf_name = self._where[self._resolve(name)]
-        return tuple(self._files[fname].get_slice(hf_name).get_shape())
+        fname, hf_name, _, rows = self._where[self._resolve(name)]
+        shape = tuple(self._files[fname].get_slice(hf_name).get_shape())
+        return shape if rows is None else (rows, *shape[1:])
 
     def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
         """The tensor `name` (our naming), or with shard=(dim, index, parts) only that
         contiguous part along `dim`, read from the memory-mapped file without the rest."""
-        fname, hf_name = self._where[self._resolve(name)]
-        sl = self._files[fname].get_slice(hf_name)
+        shape = self.shape(name)
         if shard is None:
-            return sl[:]
+            return self.read_region(name, (0,) * len(shape), shape)
         dim, index, parts = shard
-        size = sl.get_shape()[dim]
-        assert size % parts == 0, (name, size, parts)
-        step = size // parts
-        key = [slice(None)] * len(sl.get_shape())
-        key[dim] = slice(index * step, (index + 1) * step)
-        return sl[tuple(key)]
+        assert shape[dim] % parts == 0, (name, shape[dim], parts)
+        step = shape[dim] // parts
+        offsets = [0] * len(shape)
+        offsets[dim] = index * step
+        return self.read_region(name, tuple(offsets), tuple(step if d == dim else n for d, n in enumerate(shape)))
 
     def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block [offsets, offsets + sizes) of tensor `name`, read without the rest (how
         a rank of a sharded training layout loads only its shard)."""
-        fname, hf_name = self._where[self._resolve(name)]
+        fname, hf_name, row, _ = self._where[self._resolve(name)]
         sl = self._files[fname].get_slice(hf_name)
+        offsets = (offsets[0] + row, *offsets[1:]) if offsets else offsets
         return sl[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
 
     def _resolve(self, name: str) -> str:

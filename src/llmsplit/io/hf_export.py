@@ -63,11 +63,13 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
         raise ConfigError(f"output {str(out)!r} exists and is not an empty folder; choose a new folder")
     weights = RunWeights(source)
     cfg = weights.config
-    tensors = {}
+    parts: dict[str, list[torch.Tensor]] = {}
     for name in weights.names():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # transformers re-ties lm_head to the embedding
-        tensors[to_hf_name(name)] = weights.read(name).contiguous()
+        parts.setdefault(to_hf_name(name, cfg), []).append(weights.read(name))
+    # A family that fuses q/k/v (gate/up) gets the parts as rows of one tensor, in our order.
+    tensors = {hf: torch.cat(ts).contiguous() for hf, ts in parts.items()}
     tok = weights.tokenizer
     # Every id that ends a turn, as the model the run started from names them (an instruct
     # model's <|im_end|>, not only its tokenizer's end of text): without them generate,

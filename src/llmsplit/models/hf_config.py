@@ -27,7 +27,10 @@ class UnsupportedHFConfig(ValueError):
     """A config.json that llmsplit cannot represent; the message names the key and what is allowed."""
 
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# Families whose files hold q/k/v as one tensor and gate/up as another (read split, written fused).
+FUSED = ("phi3",)
 
 _REQUIRED = object()
 # (config.json key, LlamaConfig field, kind, value when absent) — both directions read this.
@@ -42,6 +45,7 @@ _KEYS = (
     ("max_position_embeddings", "max_seq_len", int, 2048),
     ("rms_norm_eps", "norm_eps", float, 1e-6),
     ("tie_word_embeddings", "tie_embeddings", bool, False),
+    ("head_dim", "head_dim", int, None),  # None: hidden_size // num_attention_heads
 )
 
 _HF_KEY = {field: key for key, field, _, _ in _KEYS}
@@ -72,7 +76,8 @@ def read_hf_config(folder: str | Path) -> tuple[LlamaConfig, dict]:
     cfg = config_from_hf(raw, where)
     files = weight_files(folder)
     if files and all((Path(folder) / f).is_file() for f in files):
-        problem = shape_mismatch(cfg, weight_shapes(folder, files), to_hf_name, "num_hidden_layers")
+        problem = shape_mismatch(cfg, weight_shapes(folder, files, cfg), lambda n: to_hf_name(n, cfg),
+                                 "num_hidden_layers")
         if problem:
             raise UnsupportedHFConfig(f"{str(folder)!r}: config.json does not match the safetensors weights: "
                                       f"{problem}; use the config.json saved with these weights")
@@ -91,6 +96,9 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
                                   f"the Llama family uses 'silu'")
     if raw.get("mlp_bias"):
         raise UnsupportedHFConfig(f"{where}: mlp_bias true is not supported; llmsplit's MLP has no biases")
+    if raw.get("use_sliding_window"):
+        raise UnsupportedHFConfig(f"{where}: use_sliding_window true is not supported; llmsplit's {model_type} "
+                                  f"attends to the whole context (set it to false)")
     if model_type != "qwen2" and raw.get("attention_bias"):
         raise UnsupportedHFConfig(f"{where}: attention_bias true is not supported for model_type {model_type!r}; "
                                   f"llmsplit has q/k/v biases (as Qwen2) but none on the attention output")
@@ -102,12 +110,9 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise UnsupportedHFConfig(f"{where}: rope_theta is {theta!r}; it must be a positive number")
-    cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2",
-                      rope_scaling=_rope_scaling(rope, rope_key, raw, where))
-    if raw.get("head_dim") not in (None, cfg.head_dim):
-        raise UnsupportedHFConfig(f"{where}: head_dim {raw['head_dim']} is not hidden_size // num_attention_heads "
-                                  f"= {cfg.dim} // {cfg.n_heads} = {cfg.head_dim}, the only head size llmsplit's "
-                                  f"model computes")
+    cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+                      rope_scaling=_rope_scaling(rope, rope_key, raw, where),
+                      family=model_type if model_type in FUSED else None)
     problem = structure_problem(cfg, _HF_KEY.get)
     if problem:
         raise UnsupportedHFConfig(f"{where}: {problem}")
@@ -174,12 +179,14 @@ def eos_ids_from_hf(raw: dict) -> set[int]:
 
 def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype) -> dict:
     """The config.json that makes transformers build `cfg` (`dtype`: a torch dtype or its name)."""
-    family = "qwen2" if cfg.qkv_bias else "llama"
+    family = cfg.family or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise UnsupportedHFConfig("model.qk_norm and model.qkv_bias together have no config.json form (Qwen3 has "
+                                  "q/k norms and no biases, Qwen2 the reverse); set one of them false")
     return {
         "architectures": [SUPPORTED[family]],
         "model_type": family,
         **{key: getattr(cfg, field) for key, field, _, _ in _KEYS},
-        "head_dim": cfg.head_dim,
         "rope_theta": cfg.rope_theta,
         **({"rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling)} if cfg.rope_scaling else {}),
         "hidden_act": "silu",
@@ -187,6 +194,7 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
         "mlp_bias": False,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+        "pad_token_id": None,  # Phi3Config's default (32000) lies outside most vocabularies
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -212,6 +220,8 @@ _NAMES = [
     ("layers.{i}.attention.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
     ("layers.{i}.attention.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
     ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
@@ -234,10 +244,41 @@ def _translate(name: str, table) -> str | None:
     return None
 
 
-def to_hf_name(name: str) -> str:
+def to_hf_name(name: str, cfg: LlamaConfig | None = None) -> str:
+    """The Hugging Face name of our tensor `name`; for a family of FUSED, the fused tensor it is
+    rows of (writers concatenate the parts in our parameter order)."""
+    if cfg is not None and cfg.family in FUSED:
+        for pattern, fused in _FUSED_TO_HF:
+            m = pattern.match(name)
+            if m:
+                return fused.format(**m.groupdict())
     hf = _translate(name, _TO_HF)
     assert hf is not None, f"no Hugging Face name for {name}"
     return hf
+
+
+# A FUSED family's tensors: (Hugging Face pattern, our tensors that are its rows, in order).
+_FUSED_NAMES = [
+    ("model.layers.{i}.self_attn.qkv_proj.weight",
+     ("layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight")),
+    ("model.layers.{i}.mlp.gate_up_proj.weight", ("layers.{i}.feed_forward.w1.weight", "layers.{i}.feed_forward.w3.weight")),
+]
+_FUSED_TO_HF = [(_compile(ours), hf) for hf, parts in _FUSED_NAMES for ours in parts]
+_FUSED_TO_OURS = [(_compile(hf), parts) for hf, parts in _FUSED_NAMES]
+
+
+def fused_parts(cfg: LlamaConfig, hf_name: str) -> list[tuple[str, int, int]] | None:
+    """For a fused tensor of `cfg`'s family: (our name, first row, rows) of each part; else None."""
+    if cfg.family not in FUSED:
+        return None
+    for pattern, parts in _FUSED_TO_OURS:
+        m = pattern.match(hf_name)
+        if m:
+            q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            rows = (q, kv, kv) if len(parts) == 3 else (cfg.ffn_dim, cfg.ffn_dim)
+            starts = [sum(rows[:j]) for j in range(len(rows))]
+            return [(p.format(**m.groupdict()), start, n) for p, start, n in zip(parts, starts, rows)]
+    return None
 
 
 def from_hf_name(name: str) -> str | None:
@@ -273,11 +314,19 @@ def weight_files(folder: str | Path) -> list[str]:
     return sorted(names)
 
 
-def weight_shapes(folder: str | Path, files: list[str]) -> dict[str, Shape]:
-    """Our name -> shape of every tensor llmsplit uses in `files`, from their headers alone."""
+def weight_shapes(folder: str | Path, files: list[str], cfg: LlamaConfig) -> dict[str, Shape]:
+    """Our name -> shape of every tensor llmsplit uses in `files`, from their headers alone. A
+    fused tensor gives each part its rows; one whose rows do not add up gives its first part all
+    of them, so the check names it."""
     shapes = {}
     for fname in files:
         for hf_name, shape in header_shapes(Path(folder) / fname).items():
+            parts = fused_parts(cfg, hf_name)
+            if parts is not None:
+                whole = len(shape) == 2 and shape[0] == sum(n for _, _, n in parts)
+                for ours, _, n in parts if whole else parts[:1]:
+                    shapes[ours] = (n, shape[1]) if whole else tuple(shape)
+                continue
             ours = from_hf_name(hf_name)
             if ours is not None:
                 shapes[ours] = shape

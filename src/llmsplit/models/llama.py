@@ -1,4 +1,7 @@
-"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM).
+
+What the families add to Llama are fields of the one `LlamaConfig` (q/k biases, a head size
+of their own, q/k norms); how a family lays its tensors out in a file is the readers' business.
 
 Nothing here knows about ranks, meshes or stages: parallelism is applied from outside
 (`llmsplit.parallel`). Layers live in a `ModuleDict` keyed by their index so that a
@@ -36,14 +39,17 @@ class LlamaConfig:
     # Rotary scaling as JSON text (see `rope_params`), None for plain rotary embeddings. Text
     # rather than a dict so that it round-trips through a run's config.toml like every size.
     rope_scaling: str | None = None
+    head_dim: int | None = None  # None: dim // n_heads; Qwen3 and Gemma choose their own
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before the rotation
+    # The Hugging Face model_type to write back on export where the maths alone does not say
+    # (Phi-3 is Llama's maths with q/k/v and gate/up fused in its files); None: from the fields.
+    family: str | None = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,9 +64,10 @@ class LlamaConfig:
         return self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: the matmuls, the q/k/v biases and the two norms."""
+        """Parameters of one decoder layer: the matmuls, the q/k/v biases and the norms."""
         bias = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
-        return self.layer_matmul_params() + bias + 2 * self.dim
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return self.layer_matmul_params() + bias + qk_norm + 2 * self.dim
 
     def num_params(self) -> int:
         """Parameter count, computed from the sizes alone (no model is built)."""
@@ -90,6 +97,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     # Set by `fuse_projections` for inference: [wq; wk; wv] as one weight (and bias), and the
     # head counts of q and k in it. None: three matmuls (training, offloaded layers).
@@ -102,13 +111,18 @@ class Attention(nn.Module):
             # per-op overhead is a large share of a decode step's time.
             weight, bias, nq, nk = self.qkv
             qkv = F.linear(x, weight, bias).view(b, s, -1, self.head_dim)
-            qk = apply_rope(qkv[:, :, :nq + nk], cos, sin)
+            qk = qkv[:, :, :nq + nk]
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :, :nq]), self.k_norm(qk[:, :, nq:])], dim=2)
+            qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nk:]
         else:
             # -1 heads: under tensor parallel each rank sees only its share of the heads.
             q = self.wq(x).view(b, s, -1, self.head_dim)
             k = self.wk(x).view(b, s, -1, self.head_dim)
             v = self.wv(x).view(b, s, -1, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         mask = None

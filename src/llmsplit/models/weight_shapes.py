@@ -35,6 +35,9 @@ def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:
             if cfg.qkv_bias:
                 yield f"layers.{i}.attention.{w}.bias", (rows,)
         yield f"layers.{i}.attention.wo.weight", (cfg.dim, q)
+        if cfg.qk_norm:
+            yield f"layers.{i}.attention.q_norm.weight", (cfg.head_dim,)
+            yield f"layers.{i}.attention.k_norm.weight", (cfg.head_dim,)
         yield f"layers.{i}.feed_forward.w1.weight", (cfg.ffn_dim, cfg.dim)
         yield f"layers.{i}.feed_forward.w3.weight", (cfg.ffn_dim, cfg.dim)
         yield f"layers.{i}.feed_forward.w2.weight", (cfg.dim, cfg.ffn_dim)
@@ -48,14 +51,14 @@ def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str 
     if cfg.n_layers > MAX_LAYERS:
         return (f"{key('n_layers')} is {cfg.n_layers}, more layers than llmsplit builds ({MAX_LAYERS}; the largest "
                 f"published models have under 200)")
-    if cfg.dim % cfg.n_heads:
+    if cfg.head_dim == cfg.dim // cfg.n_heads and cfg.dim % cfg.n_heads:
         return f"{key('dim')} {cfg.dim} is not a multiple of {key('n_heads')} {cfg.n_heads} (every head is as wide)"
     if cfg.n_kv_heads > cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         return (f"{key('n_heads')} {cfg.n_heads} is not a multiple of {key('n_kv_heads')} {cfg.n_kv_heads} "
                 f"(each key/value head serves a whole group of query heads)")
     if cfg.head_dim < 2 or cfg.head_dim % 2:
-        return (f"{key('dim')} {cfg.dim} / {key('n_heads')} {cfg.n_heads} gives heads of {cfg.head_dim} values; "
-                f"rotary embeddings need an even head size of at least 2")
+        return (f"{key('head_dim')} is {cfg.head_dim} ({key('dim')} {cfg.dim} / {key('n_heads')} {cfg.n_heads} "
+                f"unless set); rotary embeddings need an even head size of at least 2")
     return None
 
 

@@ -114,8 +114,13 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
+    # Qwen3's q/k norms run on this rank's heads ([b, s, heads, head_dim]): the heads are the
+    # sharded dim, so their weight gradients are partial sums that DTensor adds over the ranks.
+    head_norm = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                 for n in ("q_norm", "k_norm") if cfg.qk_norm}
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
+            **head_norm,
             "attention_norm": norm_style,
             "attention": PrepareModuleInput(input_layouts=(residual, *_ATTN_EXTRA_INPUTS),
                                             desired_input_layouts=(Replicate(), *_ATTN_EXTRA_INPUTS)),

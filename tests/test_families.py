@@ -1,0 +1,97 @@
+"""The dense families beyond Llama: Qwen3 (q/k norms, a head size of its own) and Phi-3 (q/k/v and
+gate/up fused in its files). Each loads from a folder transformers wrote with its logits, greedy
+tokens the same whole and split over worker processes, fine-tunes from transformers' loss, and
+exports back to a folder transformers loads with the same logits."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import llmsplit  # noqa: E402
+from helpers import assert_close_losses, losses, run_cli, train  # noqa: E402
+from hf_models import hf_model, make_hf_folder, transformers_loss  # noqa: E402
+from llmsplit.infer.engine import SamplingParams  # noqa: E402
+from llmsplit.io.hf import HFWeights  # noqa: E402
+
+# Qwen3's head_dim (24) is not hidden / heads (16), as in the real ones (1024 / 16 heads of 128).
+FAMILIES = {"qwen3": {"head_dim": 24}, "phi3": {"pad_token_id": None}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    arch = request.param
+    return arch, make_hf_folder(tmp_path_factory.mktemp(arch) / arch, arch=arch, vocab_size=321,
+                                **FAMILIES[arch])
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return torch.randint(2, vocab, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+def _greedy(m, prompt, n=8):
+    seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
+    m.engine.generate([seq])
+    return seq.tokens
+
+
+def test_logits_and_tokens_match_transformers(family):
+    arch, folder = family
+    ref, m = hf_model(folder), llmsplit.load(folder)
+    assert (m.config.qk_norm, m.config.family, m.config.head_dim) == (
+        (True, None, 24) if arch == "qwen3" else (False, "phi3", 16))
+    ids = _ids(m.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
+        want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
+    assert _greedy(m, ids[0].tolist()) == want.tolist()  # through the fused decode path and the KV cache
+
+
+def test_fused_tensors_read_as_parts(tmp_path):
+    folder = make_hf_folder(tmp_path / "phi3", arch="phi3", num_hidden_layers=1, pad_token_id=None)
+    w = HFWeights(folder)
+    from safetensors.torch import load_file
+
+    qkv = load_file(folder / "model.safetensors")["model.layers.0.self_attn.qkv_proj.weight"]
+    wk = w.read("layers.0.attention.wk.weight")
+    assert w.shape("layers.0.attention.wk.weight") == (32, 64) and torch.equal(wk, qkv[64:96])
+    assert torch.equal(w.read("layers.0.attention.wk.weight", shard=(0, 1, 2)), qkv[80:96])
+    assert torch.equal(w.read_region("layers.0.attention.wv.weight", (8, 4), (4, 8)), qkv[104:108, 4:12])
+    raw = json.loads((folder / "config.json").read_text())  # a fused tensor whose rows do not add up
+    (folder / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": 4}))
+    with pytest.raises(llmsplit.config.ConfigError, match="qkv_proj.weight is \\[128, 64\\] in the file"):
+        HFWeights(folder)
+
+
+@pytest.mark.slow
+def test_split_over_workers_fine_tuned_and_exported(family, tmp_path):
+    arch, folder = family
+    whole = llmsplit.load(folder, device_map="cpu")
+    ids = _ids(whole.config.vocab_size)
+    want = whole.logits(ids), [_greedy(whole, p) for p in ([5, 17, 42, 99], [12, 8, 300])]
+    split = llmsplit.load(folder, tp=2, pp=2)  # tensor and pipeline workers at once
+    try:
+        torch.testing.assert_close(split.logits(ids), want[0], atol=1e-5, rtol=0)
+        assert [_greedy(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
+    finally:
+        split.close()
+    # Fine-tuning with sharded loads along both dims (FSDP rows, TP rows and columns).
+    run = tmp_path / "run"
+    sets = ["data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=2", "train.warmup_steps=1",
+            "train.lr=3e-3"]
+    train(run, f"model.hf={folder}", *sets, "parallel.zero=3", "parallel.tp=2", nproc=4)
+    got = losses(run)
+    assert abs(got[0] - transformers_loss(folder)) <= 1e-5 * got[0] and got[1] < got[0]
+    if arch == "qwen3":  # the q/k norms' gradients summed over the tp ranks' heads: step 2 as one process
+        train(tmp_path / "one", f"model.hf={folder}", *sets)
+        assert_close_losses(got, losses(tmp_path / "one"))
+    out = tmp_path / "hf"
+    run_cli("export", "--checkpoint", str(run), "--to", "hf", str(out))
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == arch and raw["head_dim"] == whole.config.head_dim
+    tuned = llmsplit.load(run)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(out)(ids).logits, tuned.logits(ids), atol=1e-5, rtol=0)
+    assert (tuned.logits(ids) - want[0]).abs().max() > 1e-3  # the export holds the fine-tuned weights
