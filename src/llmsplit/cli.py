@@ -210,9 +210,10 @@ def cmd_prepare(args) -> int:
     from .io.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer, key="--tokenizer")
-    info = prepare(args.inputs, args.out, tokenizer)
+    info = prepare(args.inputs, args.out, tokenizer, args.format, args.loss_on)
+    carried = f", {info['loss_fraction']:.1%} of them carry loss" if "loss_fraction" in info else ""
     print(f"wrote {info['n_tokens']} tokens ({info['documents']} documents from {info['files']} files, "
-          f"{info['dtype']}, tokenizer {info['tokenizer']}) to {args.out}")
+          f"{info['dtype']}, tokenizer {info['tokenizer']}{carried}) to {args.out}")
     return 0
 
 

@@ -160,6 +160,11 @@ def _add_prepare(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="token file to write")
     p.add_argument("--tokenizer", default="byte", metavar="byte|tokenizer.json",
                    help="byte, or a Hugging Face tokenizer.json file (default %(default)s)")
+    p.add_argument("--format", default="text", choices=("text", "chat"),
+                   help="chat: .jsonl rows with \"messages\" or \"prompt\"/\"completion\", in the chat template of "
+                        "--tokenizer's folder, with the mask of the tokens that carry loss (default %(default)s)")
+    p.add_argument("--loss-on", default="assistant", choices=("assistant", "all"),
+                   help="with --format chat: which tokens carry loss (default %(default)s)")
     return p
 
 

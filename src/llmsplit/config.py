@@ -18,6 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from .config_data import DataSection, check_data
 from .errors import ConfigError  # re-exported: callers import it from here too
 from .layout import PRECISIONS, Layout, Workload, check, resolve_dp
 from .models.llama import LlamaConfig
@@ -30,13 +31,6 @@ ModelSection = dataclasses.make_dataclass("ModelSection", [
     ("preset", "str", field(default="tiny")), ("hf", "str | None", field(default=None)),
     ("gguf", "str | None", field(default=None)),
     *[(f.name, f"{f.type.split('|')[0].strip()} | None", field(default=None)) for f in fields(LlamaConfig)]])
-
-
-@dataclass
-class DataSection:
-    source: str = "builtin"
-    seq_len: int = 256
-    tokenizer: str = "byte"
 
 
 @dataclass
@@ -54,6 +48,7 @@ class TrainSection:
     seed: int = 0
     deterministic: bool = False
     log_every: int = 1
+    eval_every: int = 0  # steps between evaluations on the held-out data (0 = never)
     compile: bool = False
     timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
     profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
@@ -261,6 +256,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
+    check_data(cfg.data, t.eval_every)
     resolve_world(cfg, world_size)
     check(model_cfg, layout_of(cfg, world_size), workload_of(cfg), world_size)
     if mem.offload == "nvme":

@@ -52,12 +52,19 @@ def read_documents(path: Path) -> list[str]:
 
 def encode_documents(docs: list[str], tokenizer) -> np.ndarray:
     """Concatenate documents, each followed by the end-of-document token when there is one."""
+    return encode_with_offsets(docs, tokenizer)[0]
+
+
+def encode_with_offsets(docs: list[str], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_documents`, and where each document starts (then the total)."""
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     ids: list[int] = []
+    offsets = [0]
     for d in docs:
         ids.extend(tokenizer.encode(d))
         ids.extend(eos)
-    return np.asarray(ids, dtype=np.int64)
+        offsets.append(len(ids))
+    return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
 
 
 def check_source(source: str, tokenizer) -> None:
@@ -66,6 +73,9 @@ def check_source(source: str, tokenizer) -> None:
         return
     if source.startswith("text:"):
         expand_glob(source[len("text:"):])
+    elif source.endswith(".jsonl"):
+        if not Path(source).is_file():
+            raise ConfigError(f"data.source={source!r} does not exist; pass an existing .jsonl file")
     else:
         check_tokenizer(source, read_token_file(source)[1], tokenizer)
 
@@ -99,6 +109,8 @@ def load_tokens(source: str, tokenizer) -> np.ndarray:
     if source.startswith("text:"):
         docs = [d for f in expand_glob(source[len("text:"):]) for d in read_documents(f)]
         return encode_documents(docs, tokenizer)
+    if source.endswith(".jsonl"):  # tokenized at start, like "text:FILE.jsonl"
+        return encode_documents(read_documents(Path(source)), tokenizer)
     tokens, header = read_token_file(source)
     check_tokenizer(source, header, tokenizer)
     return tokens

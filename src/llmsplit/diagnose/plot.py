@@ -37,7 +37,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
                                     ("tokens_per_s", "tokens/s", 1, "tokens_per_s.png"),
                                     ("peak_mem_bytes", "peak memory, max over ranks (MiB)", 2**20, "memory.png")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [r[key] / scale for r in rows], lw=1.5)
+        ax.plot(steps, [r[key] / scale for r in rows], lw=1.5, label="training")
+        evaluated = [r for r in rows if "eval_loss" in r] if key == "loss" else []
+        if evaluated:  # held-out loss at the steps evaluated (train.eval_every)
+            ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", lw=1.5,
+                    label=f"held out (last perplexity {evaluated[-1]['eval_ppl']:.3g})")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.set_title(f"{run_dir.name}: {label}")

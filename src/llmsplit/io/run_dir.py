@@ -170,10 +170,12 @@ def absolute_paths(cfg: Config) -> None:
     cfg.checkpoint.dir, cfg.memory.offload_dir = absolute(cfg.checkpoint.dir), absolute(cfg.memory.offload_dir)
     if cfg.data.tokenizer != "byte":
         cfg.data.tokenizer = absolute(cfg.data.tokenizer)
-    if cfg.data.source.startswith("text:"):
-        cfg.data.source = "text:" + absolute(cfg.data.source[len("text:"):])
-    elif cfg.data.source != "builtin":
-        cfg.data.source = absolute(cfg.data.source)
+    for key in ("source", "eval_source"):
+        value = getattr(cfg.data, key)
+        if value and value.startswith("text:"):
+            setattr(cfg.data, key, "text:" + absolute(value[len("text:"):]))
+        elif value and value != "builtin":
+            setattr(cfg.data, key, absolute(value))
 
 
 def write_run_config(run_dir: Path, cfg: Config) -> None:

@@ -104,7 +104,9 @@ class Attention(nn.Module):
     # head counts of q and k in it. None: three matmuls (training, offloaded layers).
     qkv: tuple | None = None
 
-    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0):
+    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0, mask=None):
+        """`mask` (training on packed rows, no cache): [b, 1, s, s], True where a query may
+        attend to a key (`document_mask`)."""
         b, s, _ = x.shape
         if self.qkv is not None:
             # One matmul and one rotary pass over the q and k heads together: at batch 1 the
@@ -125,7 +127,6 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        mask = None
         if kv_cache is not None:
             k, v = kv_cache.update(layer_id, start_pos, k, v)
             # A cache holding sequences of different lengths supplies the mask that hides
@@ -174,8 +175,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0):
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos)
+    def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0, mask=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -194,13 +195,20 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int | torch.Tensor = 0,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. With a `kv_cache`, `start_pos` is the
         position of tokens[:, 0] (an int, or a LongTensor [b] when the sequences of the batch
         are at different positions) and the cache is extended in place. `last_only` computes
-        logits for the last position only (all that generation needs)."""
+        logits for the last position only (all that generation needs). `positions` [b, s]
+        (training on packed rows): each token's position in its document, 0 where one starts;
+        attention then stays within documents (`document_mask`)."""
         s = tokens.shape[1]
-        if isinstance(start_pos, torch.Tensor):
+        mask = None
+        if positions is not None:
+            assert kv_cache is None, "packed rows are for training, not generation"
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            mask = document_mask(positions)
+        elif isinstance(start_pos, torch.Tensor):
             pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # the caller keeps pos inside the table
         else:
@@ -209,14 +217,14 @@ class Transformer(nn.Module):
             cos = self.rope_cos[start_pos:]
             sin = self.rope_sin[start_pos:]
         # Looked up only when scaled: the lookup is lru_cached, which torch.compile warns about.
-        limit = dynamic_rope_limit(self.cfg.rope_scaling) if self.cfg.rope_scaling else None
+        limit = dynamic_rope_limit(self.cfg.rope_scaling) if self.cfg.rope_scaling and positions is None else None
         if limit is not None:
             cos, sin = self._dynamic_rope(start_pos, s, limit, cos, sin)
         if kv_cache is not None:  # generation: shaped once for all layers (training shards the sequence)
             cos, sin = rope_for_heads(cos, sin, s)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin, kv_cache, start_pos)
+            h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
         if last_only and self.output is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
@@ -265,6 +273,18 @@ class Transformer(nn.Module):
                 g = torch.Generator().manual_seed(_name_seed(seed, name))
                 full = torch.empty(p.shape).normal_(0.0, std, generator=g).clamp_(-3 * std, 3 * std)
             assign_full_tensor(p, full)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions within documents (0 starts one) -> [b, 1, s, s] boolean mask: causal,
+    and never across a document boundary. A dense mask for SDPA rather than FlexAttention's
+    BlockMask: FlexAttention has no backward on CPU in torch 2.13, so it cannot train there,
+    and its eager forward was 4-12x slower than SDPA's (benchmarks/doc_attention.py); SDPA
+    with a mask runs under every layout (TP, pipeline stages, checkpointing) as it is."""
+    doc = (positions == 0).cumsum(1)
+    s = positions.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def assign_full_tensor(p: torch.Tensor, full: torch.Tensor) -> None:

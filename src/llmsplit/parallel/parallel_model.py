@@ -86,15 +86,21 @@ class ParallelModel:
                                        lambda out, target: scale(loss_fn(out, target)), self.device,
                                        self.mesh.group("pp"))
 
-    def pipeline_step(self, batch: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this rank's batch through the schedule; the sum of the
-        micro-batch losses this rank saw (only the last stage sees any)."""
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+                      forward_only: bool = False) -> torch.Tensor:
+        """Forward and backward (or, `forward_only`, forward alone) of this rank's batch through
+        the schedule; the sum of the micro-batch losses this rank saw (only the last stage sees
+        any). `positions` (packed rows) goes to every stage, each micro-batch its own rows."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.pipeline.has_last_stage else {}
+        if positions is not None:
+            kwargs["positions"] = positions
         args = (inputs,) if self.pipeline.has_first_stage else ()
         with self.loss_context(), self.forward_context():
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            if forward_only:
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+            else:
+                self.schedule.step(*args, return_outputs=False, **kwargs)
         loss_sum = torch.zeros((), device=self.device)
         for loss in losses:
             loss_sum += full_tensor(loss.detach())

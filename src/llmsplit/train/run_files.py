@@ -58,7 +58,7 @@ class MetricsLog:
         self.last_step, self.log_every = last_step, log_every
 
     def add(self, record: dict) -> None:
-        if record["step"] % self.log_every == 0 or record["step"] == self.last_step:
+        if record["step"] % self.log_every == 0 or record["step"] == self.last_step or "eval_loss" in record:
             with writing(self.path, f"logging step {record['step']}"):
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()

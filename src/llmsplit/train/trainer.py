@@ -4,9 +4,10 @@ once per worker, whose `forward_backward` runs one step's forward and backward p
 (no-sync while accumulating, gradient sync, autocast and loss scaling, clipping, the
 pipeline step) are methods of the `ParallelModel` that `build_parallel_model` returns.
 
-The logged loss is the mean token loss over the whole global batch: each data-parallel
-rank averages over its own tokens (every sequence has the same length), the data-parallel
-reduction averages the ranks, so the number is the same for every layout.
+The logged loss is the mean token loss over the tokens of the whole global batch that carry
+loss: each data-parallel rank sums its own and divides by (tokens with loss in the global
+batch) / dp, a number every rank reads from the data; the data-parallel reduction averages the
+ranks, so the number is the same for every layout, whatever share of the tokens a mask keeps.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import Config, config_from_toml, model_config, to_toml
-from ..data.corpus import load_tokens
-from ..data.loader import BatchSampler
+from ..data.datasets import build_samplers
+from ..data.loader import Batch
 from ..io.hf import HFWeights
 from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
@@ -33,6 +34,7 @@ from ..parallel.mesh import Mesh, ParallelDims
 from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
 from .bubble import PipelineTimes, bubble_report
 from .checkpoint import load_checkpoint, save_checkpoint
+from .evaluate import data_summary, evaluate
 from .hangs import HangReporter
 from .init_from import load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
@@ -58,10 +60,11 @@ def lr_at(step: int, cfg: Config) -> float:
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: int) -> torch.Tensor:
-    """Cross-entropy summed over the tokens, divided by the tokens of the rank's whole
-    batch: micro-batch gradients then add up to the batch mean, and the data-parallel
-    average of those is the global mean. fp32 over the vocabulary whatever the compute dtype."""
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: float) -> torch.Tensor:
+    """Cross-entropy summed over the tokens that carry loss (targets IGNORE, -100, carry none),
+    divided by the rank's share of the global batch's such tokens: micro-batch gradients then
+    add up to the batch mean, and the data-parallel average of those is the global mean.
+    fp32 over the vocabulary whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / denominator
 
 
@@ -107,15 +110,14 @@ class Trainer:
         if cfg.model.hf:
             load_pretrained(self.pm.model, HFWeights(cfg.model.hf))
         self.optimizer = build_optimizer(self.pm.model, cfg, self.mesh)
-        self.sampler = BatchSampler(load_tokens(cfg.data.source, tokenizer), cfg.data.seq_len,
-                                    cfg.train.global_batch, cfg.train.seed)
+        self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
         self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
         self.start_step = self._resume(resume)
 
         t = cfg.train
         self.per_rank = t.global_batch // self.dp_size
-        self.denominator = self.per_rank * cfg.data.seq_len  # tokens of this data-parallel rank's batch
+        self.denominator = float(self.per_rank * cfg.data.seq_len)  # set per step: this rank's share of the loss tokens
         self.micro_batch = t.micro_batch
         self.pipeline_times = None
         if self.pm.pipeline is not None:
@@ -139,25 +141,35 @@ class Trainer:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, targets, self.denominator)
 
-    def forward_backward(self, batch: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+    def use_denominator(self, loss_tokens: int) -> None:
+        """Divide the losses that follow by this rank's share of `loss_tokens`, the tokens with
+        loss in the global batch (a batch without any gives loss 0, not 0/0)."""
+        self.denominator = max(loss_tokens, 1) / self.dp_size
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """The logits of a (micro-)batch; packed rows restart positions at each document."""
+        if batch.positions is None:
+            return self.pm.module(batch.inputs)
+        return self.pm.module(batch.inputs, positions=batch.positions)
+
+    def forward_backward(self, batch: Batch, micro_batch: int | None = None) -> torch.Tensor:
         """One step's forward and backward over this rank's batch, in micro-batches of
         `micro_batch` sequences (default: the run's) or through the pipeline schedule.
         Returns the sum of the losses this rank saw."""
         pm = self.pm
         if pm.pipeline is not None:
             with self.pipeline_times.step():
-                return pm.pipeline_step(batch)
+                return pm.pipeline_step(batch.inputs, batch.targets, batch.positions)
         micro_batch = micro_batch or self.micro_batch
         n_micro = self.per_rank // micro_batch
         loss_sum = torch.zeros((), device=self.device)
         for i in range(n_micro):
             mb = batch[i * micro_batch:(i + 1) * micro_batch]
-            inputs, targets = mb[:, :-1], mb[:, 1:]
             # Gradients are averaged across ranks only on the last micro-batch.
             with pm.micro_batch_context(last=i == n_micro - 1):
                 with pm.forward_context():
-                    logits = pm.module(inputs)
-                loss_sum += pm.backward(self.loss(logits, targets))
+                    logits = self.forward(mb)
+                loss_sum += pm.backward(self.loss(logits, mb.targets))
         return loss_sum
 
     def train_step(self, step: int) -> dict:
@@ -167,7 +179,8 @@ class Trainer:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = self.sampler.rank_batch(step - 1, self.dp_rank, self.dp_size).to(self.device)
+        batch = self.sampler.batch(step - 1, self.dp_rank, self.dp_size).to(self.device)
+        self.use_denominator(self.sampler.loss_tokens(step - 1))
         loss_sum = self.forward_backward(batch)
         pm.sync_gradients()
         grad_norm = pm.clip_gradients(optimizer, cfg.train.grad_clip)
@@ -198,6 +211,9 @@ class Trainer:
             peaks = rank_peaks(self.device)  # one collective serves the metric and the limit check
             check_memory_limit(cfg.memory.limit_bytes, peaks, step)
             record["peak_mem_bytes"] = max(peaks)
+            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                self.hangs.where = f"evaluating after step {step}"
+                record.update(evaluate(self))
             history.append(record)
             if self.log is not None:
                 self.log.add(record)
@@ -232,6 +248,7 @@ class Trainer:
         self.log.close()
         summary = run_summary(self.cfg, self.world, self.model_cfg, history, gathered, self.run_dir,
                               self.micro_batch)
+        summary.update(data_summary(self, history))
         if self.pipeline_times is not None:
             summary["pipeline"] = bubble_report(self.pm.schedule, gathered, self.cfg.parallel,
                                                 self.pm.pipeline.n_stages, self.pm.n_microbatches)
@@ -249,7 +266,8 @@ class Trainer:
         limit = memory_limit(cfg.memory.limit_bytes, device)
         if limit is None:
             return cfg.train.micro_batch
-        batch = self.sampler.rank_batch(0, self.dp_rank, self.dp_size).to(device)
+        batch = self.sampler.batch(0, self.dp_rank, self.dp_size).to(device)
+        self.use_denominator(self.sampler.loss_tokens(0))
         moments = 0 if cfg.memory.offload != "none" else moment_bytes(self.pm.model.parameters())
         chosen = confirm_micro_batch(cfg.train.micro_batch, self.per_rank, limit, device, moments,
                                      lambda mb: self.forward_backward(batch, mb),

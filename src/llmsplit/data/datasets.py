@@ -1,0 +1,70 @@
+"""The samplers a run's [data] section asks for: training rows, and the held-out rows that
+evaluation reads (data.eval_source, or the last data.eval_fraction of the source)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..config_data import DataSection
+from ..errors import ConfigError
+from ..io.token_file import read_token_documents
+from .chat import Documents, encode_chat_files
+from .corpus import check_tokenizer, expand_glob, load_tokens
+from .loader import BatchSampler
+from .packing import PackedSampler
+
+
+def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer):
+    """(training sampler, evaluation sampler or None)."""
+    if data.format == "chat":
+        docs = load_chat_documents(data.source, data.loss_on, tokenizer)
+        held = load_chat_documents(data.eval_source, data.loss_on, tokenizer, "data.eval_source") \
+            if data.eval_source else None
+        if data.eval_fraction > 0:
+            docs, held = _split_documents(docs, data.eval_fraction)
+        pad = tokenizer.eos_id or 0
+        make = lambda d: PackedSampler(d, data.seq_len, global_batch, seed, pad)
+    else:
+        docs = load_tokens(data.source, tokenizer)
+        held = load_tokens(data.eval_source, tokenizer) if data.eval_source else None
+        if data.eval_fraction > 0:
+            cut = len(docs) - max(data.seq_len + 1, int(len(docs) * data.eval_fraction))
+            docs, held = docs[:cut], docs[cut:]
+        make = lambda d: BatchSampler(d, data.seq_len, global_batch, seed)
+    return make(docs), (make(held) if held is not None else None)
+
+
+def load_chat_documents(source: str, loss_on: str, tokenizer, key: str = "data.source") -> Documents:
+    """Conversations from .jsonl files (tokenized now) or a token file `llmsplit prepare` wrote
+    from them; with loss_on="all" every token carries loss."""
+    if source.endswith(".jsonl") or source.startswith("text:"):
+        files = expand_glob(source[len("text:"):], key) if source.startswith("text:") else [Path(source)]
+        if not files[0].is_file():
+            raise ConfigError(f"{key}={source!r} does not exist; pass a .jsonl file of conversations")
+        return encode_chat_files(files, tokenizer, loss_on)
+    tokens, mask, offsets, header = read_token_documents(source, key)
+    check_tokenizer(source, header, tokenizer)
+    if header.get("format") != "chat" or mask is None:
+        raise ConfigError(f"{key}={source!r} holds plain text, not conversations; prepare it with "
+                          f"`llmsplit prepare --format chat` or set data.format=\"text\"")
+    if loss_on == "assistant" and header.get("loss_on", "assistant") != "assistant":
+        raise ConfigError(f"{key}={source!r} was prepared with --loss-on {header['loss_on']}; prepare it again "
+                          f"with --loss-on assistant or set data.loss_on=\"{header['loss_on']}\"")
+    return Documents(tokens, None if loss_on == "all" else mask, offsets)
+
+
+def _split_documents(docs: Documents, fraction: float) -> tuple[Documents, Documents]:
+    """The last `fraction` of the documents (at least one) held out, the rest kept."""
+    n = len(docs)
+    held = max(1, math.ceil(n * fraction))
+    if held >= n:
+        raise ConfigError(f"data.eval_fraction={fraction} holds out all {n} documents; lower it or add data")
+    cut = int(docs.offsets[n - held])
+    keep_offsets = np.asarray(docs.offsets[:n - held + 1], dtype=np.int64)
+    held_offsets = np.asarray(docs.offsets[n - held:], dtype=np.int64) - cut
+    mask = docs.mask
+    return (Documents(docs.tokens[:cut], None if mask is None else mask[:cut], keep_offsets),
+            Documents(docs.tokens[cut:], None if mask is None else mask[cut:], held_offsets))
