@@ -86,23 +86,30 @@ def test_worker_processes(folder, reference, layout):
 
 
 @pytest.mark.slow
-def test_compiled_decode_step(folder, reference, tmp_path):
-    """compile=True compiles the decode graphs at load (one sequence; several at one
-    position) and gives the same tokens and logits as eager, in those steps and in the
-    masked ones (sequences at different positions) that stay eager."""
+def test_compiled_decode_step(folder, tmp_path):
+    """compile=True compiles the decode graphs at load (one sequence; a batch in the masked
+    form) and gives the same tokens and logits as eager; then realistic requests (prompts of
+    1 to 1,000 tokens, 1 to 256 new tokens, batch 1 and batched, sequences joining and
+    leaving at different positions) compile nothing more (issue 23: the first real request
+    after a ~200-token prompt recompiled, 7-42 s)."""
+    import random
+
     from torch._dynamo.utils import counters
 
+    long = make_hf_folder(tmp_path / "long", max_position_embeddings=1536)
     counters.clear()
-    m = llmsplit.load(folder, device_map="cpu", compile=True)
+    compiled = llmsplit.load(long, device_map="cpu", compile=True, max_context=1280, max_batch=4)
     assert counters["stats"]["unique_graphs"] == 2
-    assert_same(run(m), reference)
-    eager = llmsplit.load(folder, device_map="cpu")
-    params = SamplingParams(10, ignore_eos=True)
-    same_position = [PROMPTS[0], PROMPTS[0][::-1]]  # two sequences, one position: the batched graph
-    got = [s.tokens for s in m.engine.generate([m.engine.new_sequence(p, params) for p in same_position])]
-    want = [s.tokens for s in eager.engine.generate([eager.engine.new_sequence(p, params) for p in same_position])]
-    assert got == want
-    assert counters["stats"]["unique_graphs"] == 2  # nothing compiled after loading
+    eager = llmsplit.load(long, device_map="cpu", max_context=1280, max_batch=4)
+    rng = random.Random(0)
+    for i in range(20):
+        requests = [([rng.randrange(3, 300) for _ in range(rng.choice([1, 2, 3, 40, 200, 1000]))],
+                     SamplingParams(rng.choice([1, 2, 9, 30, 256 if i % 5 == 0 else 3]), ignore_eos=True))
+                    for _ in range([1, 2, 4, 3][i % 4])]
+        got, want = ([s.tokens for s in e.engine.generate([e.engine.new_sequence(p, sp) for p, sp in requests])]
+                     for e in (compiled, eager))
+        assert got == want, f"request {i}"
+    assert counters["stats"]["unique_graphs"] == 2, "a request compiled a graph after load"
     with pytest.raises(ConfigError, match="compile"):
         llmsplit.load(folder, max_memory={"cpu": "900KiB"}, offload_dir=tmp_path / "off", max_context=64,
                       compile=True)

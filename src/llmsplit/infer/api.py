@@ -131,11 +131,12 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
 
 
 def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
-    """Compile, at load time, the decode graphs the engine reaches (one sequence; several at
-    one position, whose batch size is dynamic), so that no request waits minutes for a
-    compile later (Runner.forward says which steps run compiled)."""
-    params = SamplingParams(2, ignore_eos=True)  # a prefill, then one decode step
-    for prompts in [[[3, 4]]] + ([[[3, 4], [5, 6]]] if max_batch > 1 else []):
+    """Compile, at load time, the decode graphs the engine reaches (one sequence; a batch in
+    the masked form, whose size and positions are dynamic), so that no request waits minutes
+    for a compile later (Runner.forward says which steps run compiled; tests/test_infer_split.py
+    counts zero compilations over realistic requests after this)."""
+    params = SamplingParams(2, ignore_eos=True)  # a prefill, then one decode step (at position 3 or 4)
+    for prompts in [[[3, 4, 5]]] + ([[[3, 4, 5], [6, 7, 8, 9]]] if max_batch > 1 else []):
         engine.generate([engine.new_sequence(p, params) for p in prompts])
     engine.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
 

@@ -64,16 +64,16 @@ class BlockPool:
         width = max(lengths)
         blocks = self.blocks_for(width)
         tables = torch.tensor([self.tables[s] + [0] * (blocks - len(self.tables[s])) for s in seq_ids])
-        # [b, width]: slot of each key position (padding points at block 0)
-        # Fresh contiguous tensors, whatever the batch: a compiled decode step guards on their strides.
-        gather = (tables[:, :, None] * bs + torch.arange(bs)).view(len(seq_ids), -1)[:, :width].contiguous()
+        # [b, width]: slot of each key position (padding points at block 0). Built at exactly
+        # [b, width] with strides (width, 1) whatever the batch: a compiled decode step guards
+        # on strides, and a [1, width] slice of a wider tensor is "contiguous" with a stride
+        # that changes every block (issue 23: a recompile on the first real request).
+        pos = torch.arange(width)
+        gather = tables[:, pos // bs] * bs + pos % bs
         if all(st == starts[0] for st in starts):
             # Every sequence at the same position (so all end at width): the model's own causal rules apply.
             return Step(starts[0], gather[:, starts[0]:].flatten().clone(), gather, None)
-        start = torch.tensor(starts)
-        new = start[:, None] + torch.arange(n_new)  # positions of the new tokens
-        mask = torch.arange(width)[None, None, :] <= new[:, :, None]  # [b, s, width]: each query sees its past
-        return Step(start, gather.gather(1, new).reshape(-1), gather, mask[:, None])
+        return Step.masked(torch.tensor(starts), n_new, gather)
 
 
 @dataclass
@@ -82,6 +82,23 @@ class Step:
     slots: torch.Tensor  # [b * s] pool slot of every new token, row-major
     gather: torch.Tensor  # [b, width] pool slot of every key position (padding points anywhere)
     mask: torch.Tensor | None  # [b, 1, s, width] bool, or None when the model's causal rules apply
+
+    @staticmethod
+    def masked(start: torch.Tensor, n_new: int, gather: torch.Tensor) -> "Step":
+        """The step with a start position [b] per sequence and the mask that keeps each query
+        to its own sequence's past."""
+        new = start[:, None] + torch.arange(n_new)  # positions of the new tokens
+        mask = torch.arange(gather.shape[1])[None, None, :] <= new[:, :, None]  # [b, s, width]
+        return Step(start, gather.gather(1, new).reshape(-1), gather, mask[:, None])
+
+    def per_sequence(self) -> "Step":
+        """This step in the masked form (one start per sequence), whether or not its
+        sequences share a position: what a compiled batched decode step takes, so that one
+        graph serves every batch (issue 23)."""
+        if self.mask is not None:
+            return self
+        b, width = self.gather.shape
+        return Step.masked(torch.full((b,), self.start), self.slots.numel() // b, self.gather)
 
 
 class PagedKVCache:

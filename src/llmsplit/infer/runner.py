@@ -146,13 +146,24 @@ class Runner:
         step runs the same few hundred small ops, so at batch 1 the per-op dispatch of eager
         mode is a large share of a token's time: compiled, SmolLM2-135M decodes 1.5× faster on
         2 CPU cores (fp32; BENCHMARKS.md). Shapes are dynamic (the keys grow every step, the
-        batch changes), so it compiles two graphs, one sequence and several (at load time,
-        `api._compile_decode_graphs`); prefill and masked steps stay eager. Offloaded layers
+        batch changes), so it compiles two graphs at load time (`api._compile_decode_graphs`):
+        one sequence, and several in the masked form (each at its own position), which serves
+        every batch size and every mix of positions; prefills stay eager. Offloaded layers
         swap their weights in hooks, which a compiled graph would not see, so offload is
         refused (`api.load` refuses --tp/--pp before any runner exists)."""
         if self.offloader is not None:
             raise ConfigError("compile=True needs every layer resident; this load offloads layers (drop --compile, "
                               "or give the model more memory)")
+        # Under dynamic=True every plain tensor the graph reads gets symbolic sizes, the KV
+        # pools and fused weights too; equations between those and the batch size then
+        # pinned the batched graph to its first batch size (a recompile per new size). They
+        # never change shape after loading: say so.
+        for i, layer in self.model.layers.items():
+            torch._dynamo.mark_static(self.cache.k[int(i)])
+            torch._dynamo.mark_static(self.cache.v[int(i)])
+            if layer.attention.qkv is not None:
+                torch._dynamo.mark_static(layer.attention.qkv[0])
+                torch._dynamo.mark_static(layer.feed_forward.gate_up)
         # The modules never change after loading, so guards on them (hundreds of parameters,
         # checked before every call: ~0.8 ms a token) are skipped; guards on the inputs stay.
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -190,13 +201,16 @@ class Runner:
         x = tokens.to(self.input_device)
         if step is None:
             return self.model(x, last_only=last_only)
+        forward = self.model
+        # Compiled: one-token decode steps. A batch always takes the masked form, so one graph
+        # serves it whatever its size and positions. A single sequence passes its position as
+        # an int, which dynamo would specialize at 0 and 1: positions below 2 run eager.
+        if self._decode is not None and x.shape[1] == 1 and step.gather.shape[1] > 2:
+            forward = self._decode
+            if x.shape[0] > 1:
+                step = step.per_sequence()
+                self.cache.set_step(step)
         start = step.start if isinstance(step.start, int) else step.start.to(self.input_device)
-        # Compiled: decode steps whose sequences share one position. A step with a padding
-        # mask (sequences at different positions) runs eager: under dynamic shapes CPU SDPA
-        # with a mask pins the batch size, so each new size would compile again (minutes)
-        # until dynamo's recompile limit. A one-token prompt's prefill (width 1) runs eager too.
-        decode = x.shape[1] == 1 and step.mask is None and step.gather.shape[1] > 1
-        forward = self._decode if self._decode is not None and decode else self.model
         return forward(x, kv_cache=self.cache, start_pos=start, last_only=last_only)
 
     def close(self) -> None:
