@@ -14,6 +14,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from .. import threads
+
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
                "TORCHELASTIC_RUN_ID")
 
@@ -140,6 +142,7 @@ def _resource_checks() -> list[Check]:
     else:
         out.append(Check("OK", "threads", f"{cores} cores, OMP_NUM_THREADS={omp or 'unset'} "
                                          f"(llmsplit gives each local worker cores ÷ workers)"))
+    out.append(_contention_check())
     if os.path.isdir("/dev/shm"):
         st = os.statvfs("/dev/shm")
         size = st.f_blocks * st.f_frsize
@@ -155,6 +158,21 @@ def _resource_checks() -> list[Check]:
     out.append(Check(status, "disk", f"{free / 2**30:.0f} GiB free in {os.getcwd()}",
                      "" if status == "OK" else "checkpoints need room: free space or set checkpoint.dir elsewhere"))
     return out
+
+
+def _contention_check() -> Check:
+    """Other processes competing for the cores slow every parallel region (issue 23: 5-25x
+    for 2-thread decode under libgomp's default spin); llmsplit's wait policy softens it."""
+    chosen = {k: os.environ[k] for k in threads.USER_KEYS if k in os.environ and k not in threads.applied}
+    policy = ", ".join(f"{k}={v}" for k, v in chosen.items()) or "llmsplit's default " + ", ".join(
+        f"{k}={v}" for k, v in threads.DEFAULTS.items())
+    busy = threads.oversubscription()
+    if busy is None:
+        return Check("OK", "cpu load", f"{os.getloadavg()[0]:.1f} (1-minute load average); OpenMP wait policy {policy}")
+    return Check("WARN", "cpu load", f"{busy}; OpenMP wait policy {policy}",
+                 "runs here will be slower than on a quiet machine: stop the other jobs, or give each fewer "
+                 "threads (OMP_NUM_THREADS); if you set OMP_WAIT_POLICY=ACTIVE or a large GOMP_SPINCOUNT, "
+                 "unset it (docs/serving.md, 'Threads')")
 
 
 def format_checks(checks: list[Check]) -> str:

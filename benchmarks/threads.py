@@ -1,0 +1,137 @@
+"""Decode tokens/s on a quiet and on a loaded machine, by OpenMP wait policy and thread count.
+
+PyTorch's CPU build runs its parallel regions on libgomp. Between regions libgomp's threads
+spin (GOMP_SPINCOUNT, 300,000 pause loops by default, milliseconds on these CPUs) before
+they sleep. On a quiet machine the spin saves a wake-up per region; when another process
+wants the cores, a thread that spins burns the time slice its partner needs to reach the
+barrier, and 2-thread decode collapsed 5-25x (issue 23). Each setting below runs in a fresh
+process (libgomp reads its variables once, at load), first on the quiet machine, then while
+a second 2-thread decode job (libgomp's default policy, as an unaware neighbour would run)
+shares the cores; rounds alternate the order of the settings. `llmsplit.threads` applies
+the winner where the user set none of these variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TITLE = "Decode under CPU contention: OpenMP wait policy and threads (batch 1, fp32, eager)"
+# (name, environment, threads); the first is libgomp's own default, the baseline of the ratios.
+SETTINGS = [
+    ("libgomp default (spin 300k)", {}, 2),
+    ("OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    ("GOMP_SPINCOUNT=10000", {"GOMP_SPINCOUNT": "10000"}, 2),
+    ("GOMP_SPINCOUNT=1000", {"GOMP_SPINCOUNT": "1000"}, 2),
+    ("1 thread", {}, 1),
+]
+_OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES")
+
+
+def decode_rate(source: str, threads: int, seconds: float, new: int, forever: bool = False) -> float:
+    """Tokens/s of greedy batch-1 decode after a short prompt, over at most `new` tokens or
+    `seconds` (whichever ends first; under contention a token can take a second)."""
+    import torch
+
+    import llmsplit
+    from llmsplit.infer.engine import SamplingParams
+
+    torch.set_num_threads(threads)
+    model = llmsplit.load(source, device_map="cpu", max_batch=1, max_context=512)
+    ids = model.tokenizer.encode("The capital of France is")
+    model.generate(ids, max_new_tokens=4, ignore_eos=True)  # warm-up
+    while True:
+        engine = model.engine
+        seq = engine.new_sequence(ids, SamplingParams(new, ignore_eos=True))
+        engine.waiting.append(seq)
+        engine.step()  # prefill and the first token: not decode
+        start, first = time.perf_counter(), len(seq.tokens)
+        while seq.finish_reason is None and time.perf_counter() - start < seconds:
+            engine.step()
+        rate = (len(seq.tokens) - first) / (time.perf_counter() - start)
+        engine.abort(seq)
+        if not forever:
+            return rate
+
+
+def _worker_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _OMP_KEYS}
+    return {**env, **extra}  # exactly this setting, whatever this shell had set
+
+
+def _measure(source: str, env: dict, threads: int, seconds: float, new: int) -> float:
+    code = (f"import json, benchmarks.threads as b; print(json.dumps(b.decode_rate({source!r}, {threads}, "
+            f"{seconds}, {new})))")
+    out = subprocess.run([sys.executable, "-c", code], env=_worker_env(env), capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"decode worker failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _start_neighbour(source: str) -> subprocess.Popen:
+    code = f"import benchmarks.threads as b; b.decode_rate({source!r}, 2, 1e9, 10**9, forever=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_worker_env({}), cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(8)  # past its imports and load: decoding when the measurement starts
+    return proc
+
+
+def _source(tmp: Path, quick: bool) -> tuple[str, str]:
+    from .infer import _random_llama, _smollm_gguf
+
+    gguf = None if quick else _smollm_gguf(tmp)
+    if gguf is not None:
+        return str(gguf), "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
+    return str(_random_llama(tmp)), "random Llama, 4 layers, dim 256"
+
+
+def main(quick: bool = False) -> dict:
+    rounds, seconds, new = (1, 1.0, 8) if quick else (3, 12.0, 128)
+    settings = SETTINGS[:2] if quick else SETTINGS
+    rates = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
+    loads = {"quiet": [], "loaded": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        source, label = _source(Path(tmp), quick)
+        for r in range(rounds):
+            order = settings if r % 2 == 0 else settings[::-1]
+            for cond in ("quiet", "loaded"):
+                neighbour = _start_neighbour(source) if cond == "loaded" else None
+                try:
+                    for name, env, threads in order:
+                        rates[name, cond].append(_measure(source, env, threads, seconds, new))
+                        loads[cond].append(os.getloadavg()[0])
+                        print(f"round {r + 1} {cond}: {name} {rates[name, cond][-1]:.2f} tokens/s "
+                              f"(load {loads[cond][-1]:.1f})", file=sys.stderr)
+                finally:
+                    if neighbour is not None:
+                        neighbour.kill()
+                        neighbour.wait()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    base = settings[0][0]
+    return {"model": label, "rounds": rounds, "seconds": seconds, "new": new, "settings": [s[0] for s in settings],
+            "rates": {f"{n}|{c}": v for (n, c), v in rates.items()}, "median": {f"{n}|{c}": v for (n, c), v in med.items()},
+            "quiet_vs_default": {n: med[n, "quiet"] / med[base, "quiet"] for n, _, _ in settings},
+            "loaded_vs_quiet": {n: med[n, "loaded"] / med[n, "quiet"] for n, _, _ in settings},
+            "loaded_vs_default_quiet": {n: med[n, "loaded"] / med[base, "quiet"] for n, _, _ in settings},
+            "load_average": {c: statistics.median(v) for c, v in loads.items()}}
+
+
+def to_markdown(r: dict) -> list[str]:
+    rows = [f"{r['model']}; greedy decode at batch 1 after a 6-token prompt, at most {r['new']} tokens or "
+            f"{r['seconds']:.0f} s per measurement; median of {r['rounds']} alternating rounds, each setting in a "
+            f"fresh process. Loaded: a second 2-thread decode job (libgomp defaults) runs beside it. Median load "
+            f"average: quiet {r['load_average']['quiet']:.1f}, loaded {r['load_average']['loaded']:.1f}.", "",
+            "| setting | quiet tokens/s | loaded tokens/s | quiet vs libgomp default | loaded vs own quiet | "
+            "loaded vs default quiet |", "|---|---|---|---|---|---|"]
+    for n in r["settings"]:
+        rows.append(f"| {n} | {r['median'][f'{n}|quiet']:.2f} | {r['median'][f'{n}|loaded']:.2f} | "
+                    f"{r['quiet_vs_default'][n]:.2f}x | {r['loaded_vs_quiet'][n]:.2f}x | "
+                    f"{r['loaded_vs_default_quiet'][n]:.2f}x |")
+    return rows
