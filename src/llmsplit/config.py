@@ -19,10 +19,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .config_data import DataSection, check_data
+from .config_lora import LoraSection, check_lora
 from .errors import ConfigError  # re-exported: callers import it from here too
 from .layout import PRECISIONS, Layout, Workload, check, resolve_dp
 from .models.llama import LlamaConfig
-
 
 # [model]: where the model comes from, then every field of the model's config (LlamaConfig),
 # each unset (None) unless a file or --set names it: explicit sizes override the preset, and a
@@ -95,6 +95,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def __post_init__(self):
         self.explicit: set[str] = set()  # keys a file or --set named (defaults for fine-tuning fill the others)
@@ -257,6 +258,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     check_data(cfg.data, t.eval_every)
+    check_lora(cfg.lora)
     resolve_world(cfg, world_size)
     check(model_cfg, layout_of(cfg, world_size), workload_of(cfg), world_size)
     if mem.offload == "nvme":

@@ -1,7 +1,7 @@
 """The single function that turns a plain model into the parallel model the config asks for.
 
-Order (the one torchtitan uses): PP split → TP → activation checkpointing → compile →
-FSDP/DDP. The model is built on the meta device, so no rank ever allocates the whole
+Order (the one torchtitan uses): PP split → TP → LoRA → activation checkpointing → compile →
+FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts). The model is built on the meta device, so no rank ever allocates the whole
 model before it is split; weights are then materialised on the device (already sharded
 under FSDP) and initialised from (seed, parameter name), which gives every layout the
 weights of a single process. What comes back is a `ParallelModel` (parallel_model.py),
@@ -15,10 +15,17 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..adapters.lora import apply_lora, init_lora, parse_targets
 from ..config import Config
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig, Transformer
-from .data_parallel import apply_ddp, apply_fsdp, autocast_dtype, local_optimizer, zero1_optimizer
+from .data_parallel import (
+    apply_ddp,
+    apply_fsdp,
+    autocast_dtype,
+    local_optimizer,
+    zero1_optimizer,
+)
 from .memory import NvmeAdamW, apply_activation_checkpointing
 from .mesh import Mesh
 from .parallel_model import ParallelModel
@@ -35,6 +42,9 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         parts = split_model(model, par.pp_schedule, mesh.rank("pp"), par.pp, par.pp_virtual_stages)
     if par.tp > 1:
         apply_tp(model, mesh.mesh["tp"], par.sequence_parallel)
+    lora = cfg.lora
+    if lora.rank:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, parse_targets(lora.targets))
     apply_activation_checkpointing(model, mem.activation_checkpoint)
     if cfg.train.compile:
         for block in model.layers.values():
@@ -49,6 +59,8 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
     # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
     model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)
+    if lora.rank:
+        init_lora(model, cfg.train.seed)
     if parts is not None:
         share_buffers(parts)
     module, manual_grad_group = model, None
@@ -70,9 +82,11 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
 def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:
     """AdamW over the model's parameters; ZeRO-1 shards its state over the data-parallel
     ranks and NVMe offload keeps its moments on disk."""
-    # No weight decay on norms and biases (1-D tensors), as in the Llama recipes.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # No weight decay on norms and biases (1-D tensors), as in the Llama recipes. Frozen
+    # parameters (the base under LoRA) have no optimizer state at all.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     hyper = dict(lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)

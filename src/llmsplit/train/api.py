@@ -190,7 +190,7 @@ def check_job(job: TrainJob) -> None:
     if job.resume_from is not None:
         from .checkpoint import check_fits
 
-        check_fits(job.resume_from, job.model_cfg)
+        check_fits(job.resume_from, job.model_cfg, job.cfg.lora.rank)
         _check_resumed_inputs(job)
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..adapters.lora import is_adapter
 from ..config import ConfigError
 from ..io import dcp_files
 from ..io.checksums import file_records
@@ -41,6 +42,9 @@ from ..parallel.data_parallel import local_optimizer
 # parameter: every layout writes and reads the same keys, and a rank that holds the state
 # of only some parameters (ZeRO-1, pipeline stages) writes just those.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters (the base under LoRA) are not saved: they come from the seed or model.hf
+# again, and a checkpoint holds only what training changed (adapters and their optimizer state).
+_MODEL = StateDictOptions(ignore_frozen_params=True)
 
 
 def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int) -> Path:
@@ -54,7 +58,7 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
             ck_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_MODEL), "optim": _optim_state(model, optimizer)}
     with writing(tmp, doing), dcp_files.plain_errors(doing):
         dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
@@ -125,9 +129,10 @@ def _without_empty_groups(optimizer):
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model and optimizer state in place; returns the trainer state."""
     path = Path(path)
-    state = {"model": get_model_state_dict(model), "optim": _optim_state(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_MODEL), "optim": _optim_state(model, optimizer)}
     dcp_files.load(state, path)  # never unpickles code from the checkpoint
-    set_model_state_dict(model, state["model"])
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not frozen))
     _load_optim_state(model, optimizer, state["optim"])
     train_state = json.loads((path / STATE_FILE).read_text())
     rng = train_state.pop("rng", None)
@@ -136,11 +141,19 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return train_state
 
 
-def check_fits(path: Path, model_cfg) -> None:
+def check_fits(path: Path, model_cfg, lora_rank: int = 0) -> None:
     """Refuse, before any worker starts, a checkpoint whose tensors are not this model's:
     DCP would otherwise fail deep inside a load on every rank, or (for a missing tensor)
-    silently keep the fresh initialisation."""
+    silently keep the fresh initialisation. A LoRA run's checkpoint holds adapters only."""
     saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(path))
+    adapters = bool(saved) and all(is_adapter(name) for name in saved)
+    if lora_rank or adapters:
+        ranks = {shape[0] for name, shape in saved.items() if name.endswith("lora_a")}
+        if not adapters or ranks != {lora_rank}:
+            held = f"LoRA adapters of rank {', '.join(map(str, sorted(ranks)))}" if adapters else "the whole model"
+            raise ConfigError(f"checkpoint {str(path)!r} holds {held}, not what lora.rank={lora_rank} trains; "
+                              f"resume with the [lora] settings it was trained with (its run folder's config.toml)")
+        return
     mismatch = shape_mismatch(model_cfg, saved, layers_key="model.n_layers")
     if mismatch:
         raise ConfigError(f"checkpoint {str(path)!r} is not of this model: {mismatch}; resume with the [model] "

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..adapters.lora import is_adapter
 from ..config import ConfigError
 from ..models.llama import plain_name
 
@@ -22,6 +23,8 @@ def load_pretrained(model: torch.nn.Module, source) -> int:
     read = 0
     for name, p in model.named_parameters():
         name = plain_name(name)  # wrappers add prefixes that the weights do not have
+        if is_adapter(name):
+            continue  # LoRA's adapters start from their own initialisation
         if isinstance(p, DTensor):
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             local = p.to_local()

@@ -1,0 +1,1 @@
+"""Adapters applied from outside the plain model (LoRA)."""

@@ -1,0 +1,99 @@
+"""LoRA (Hu et al. 2021) applied from outside the plain model: the chosen projections of every
+decoder layer learn a low-rank update W + (alpha / rank) · B·A while everything else is frozen.
+
+Applied after the pipeline split and tensor parallel (parallel/apply.py), in place: each target
+`nn.Linear` becomes a `LoRALinear` (its class is swapped, so its name, parameters and the TP
+hooks around it stay), and gets `lora_a` [rank, in] and `lora_b` [out, rank] split like the
+layer they adapt: a column-parallel weight (rows split) has B split by rows and A whole; a
+row-parallel weight (columns split) has A split by columns and B whole; a replicated weight
+both whole. DTensor then computes the adapter on the same shards as the layer and reduces what
+the layer reduces, so every layout computes the single-process result. FSDP2 shards them like
+any parameter (it allows frozen and trained parameters in one group, which FSDP1 did not).
+
+Initialisation as PEFT's default: A kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in),
+1/sqrt(in))), B zeros, drawn whole from (seed, parameter name) as the base weights are, so
+every layout starts from the same adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.llama import Transformer, assign_full_tensor, plain_name
+
+TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear plus its low-rank update; made by `apply_lora`, never constructed."""
+
+    lora_scale: float = 1.0
+    lora_dropout: float = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scale
+
+
+def is_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
+
+
+def parse_targets(targets: str) -> list[str]:
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def apply_lora(model: Transformer, rank: int, alpha: float, dropout: float, targets: list[str]) -> None:
+    """Freeze `model` and add adapters of `rank` to the `targets` of each of its layers."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.layers.values():
+        for t in targets:
+            layer = block.get_submodule(TARGETS[t])
+            out_features, in_features = layer.weight.shape
+            a, b = _adapter_tensors(layer.weight, rank, in_features, out_features)
+            layer.register_parameter("lora_a", nn.Parameter(a))
+            layer.register_parameter("lora_b", nn.Parameter(b))
+            layer.__class__ = LoRALinear
+            layer.lora_scale, layer.lora_dropout = alpha / rank, dropout
+
+
+def _adapter_tensors(weight: torch.Tensor, rank: int, in_features: int, out_features: int):
+    """A and B, on the weight's device and split like it (see the module's docstring)."""
+    a = torch.empty(rank, in_features, device=weight.device, dtype=weight.dtype)
+    b = torch.empty(out_features, rank, device=weight.device, dtype=weight.dtype)
+    placements = getattr(weight, "placements", None)
+    if placements is None:
+        return a, b
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    (p,) = placements  # tensor parallel weights live on the 1-D tp mesh
+    a_place = Shard(1) if p == Shard(1) else Replicate()
+    b_place = Shard(0) if p == Shard(0) else Replicate()
+    mesh = weight.device_mesh
+    return (distribute_tensor(a, mesh, [a_place], src_data_rank=None),
+            distribute_tensor(b, mesh, [b_place], src_data_rank=None))
+
+
+@torch.no_grad()
+def init_lora(model: nn.Module, seed: int) -> None:
+    """PEFT's initialisation, from (seed, name) alone: the same adapters under every layout."""
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        if name.endswith("lora_b"):
+            full = torch.zeros(p.shape)
+        else:
+            bound = 1 / math.sqrt(p.shape[1])
+            digest = hashlib.sha256(f"lora:{seed}:{plain_name(name)}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            full = torch.empty(p.shape).uniform_(-bound, bound, generator=g)
+        assign_full_tensor(p, full)

@@ -1,0 +1,94 @@
+"""LoRA (issue 17): adapters applied from outside the plain model, the base frozen; every layout
+logs the single-process loss; gradients, optimizer state and checkpoints hold the adapters only,
+and an adapters-only checkpoint resumes under another layout."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import assert_close_losses, losses, run_cli, train
+from llmsplit.adapters.lora import LoRALinear, apply_lora, init_lora
+from llmsplit.config import ConfigError, load_config, validate
+from llmsplit.models.llama import LlamaConfig, Transformer
+
+CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=128, max_seq_len=32)
+
+
+def test_adapters_start_as_the_base_and_only_they_train():
+    base = Transformer(CFG)
+    base.init_weights(0)
+    model = Transformer(CFG)
+    model.load_state_dict(base.state_dict())
+    apply_lora(model, rank=4, alpha=8, dropout=0.0, targets=["q", "v", "down"])
+    init_lora(model, 0)
+    tokens = torch.randint(0, 64, (2, 16))
+    assert torch.equal(model(tokens), base(tokens))  # B = 0: the update starts at nothing
+    trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trained == sorted(f"layers.{i}.{m}.lora_{x}" for i in range(2) for m in
+                             ("attention.wq", "attention.wv", "feed_forward.w2") for x in "ab")
+    assert isinstance(model.layers["0"].attention.wq, LoRALinear)
+    assert type(model.layers["0"].attention.wk) is torch.nn.Linear
+    a = model.layers["1"].feed_forward.w2.lora_a
+    assert a.shape == (4, 128) and a.abs().max() <= 1 / 128 ** 0.5  # PEFT's kaiming-uniform bound
+    with torch.no_grad():
+        model.layers["0"].attention.wq.lora_b.fill_(0.1)
+    model(tokens).sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    assert model.layers["0"].attention.wq.lora_a.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["lora.rank=-1"], "lora.rank=-1 must be at least 0"),
+    (["lora.rank=8", "lora.targets=q,x"], "comma-separated list of: q, k, v, o, gate, up, down"),
+    (["lora.rank=8", "lora.base=nf4"], "not available in this version"),
+    (["lora.rank=8", "lora.dropout=1.0"], "below 1"),
+])
+def test_lora_keys_are_checked(sets, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate(load_config(None, sets), 1)
+
+
+MP = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+      "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4", "train.warmup_steps=1",
+      "train.lr=1e-2", "lora.rank=4", "checkpoint.every=2"]
+# 4 layers x adapters of rank 4 on q, k, v, o, gate, up, down (dims 64, 32 for k/v, 128 for the MLP).
+ADAPTER_PARAMS = 4 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("lora") / "run"
+    train(run, *MP, "train.micro_batch=8", nproc=1)
+    return run
+
+
+@pytest.mark.slow
+def test_one_process_holds_gradients_and_state_of_the_adapters_only(reference):
+    from llmsplit.io import dcp_files
+
+    (rank0,) = json.loads((reference / "summary.json").read_text())["per_rank"]
+    assert rank0["grad_bytes"] == 4 * ADAPTER_PARAMS and rank0["optim_bytes"] == 8 * ADAPTER_PARAMS
+    saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(reference / "checkpoints" / "step_4"))
+    assert len(saved) == 4 * 7 * 2 and all(name.endswith(("lora_a", "lora_b")) for name in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, sets", [(2, ["parallel.zero=0"]), (4, ["parallel.pp=2", "parallel.zero=1"])],
+                         ids=["ddp", "pp2-zero1"])
+def test_layouts_log_the_single_process_loss(reference, tmp_path, nproc, sets):
+    train(tmp_path / "run", *MP, *sets, nproc=nproc)
+    assert_close_losses(losses(tmp_path / "run"), losses(reference))
+
+
+@pytest.mark.slow
+def test_adapters_resume_under_fsdp_and_tensor_parallel(reference, tmp_path):
+    """The step-2 checkpoint of one process (adapters and their optimizer state) continues under
+    ZeRO-3 x tp 2 with the single-process losses of steps 3 and 4."""
+    run = tmp_path / "run"
+    train(run, *MP, "parallel.zero=3", "parallel.tp=2", nproc=4,
+          extra=("--resume", str(reference / "checkpoints" / "step_2")))
+    assert_close_losses(losses(run), losses(reference)[2:])
+    proc = train(tmp_path / "other", *MP, "lora.rank=8", nproc=1, check=False,
+                 extra=("--resume", str(reference / "checkpoints" / "step_2")))
+    assert proc.returncode == 2 and "holds LoRA adapters of rank 4" in proc.stderr
