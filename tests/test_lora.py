@@ -92,3 +92,31 @@ def test_adapters_resume_under_fsdp_and_tensor_parallel(reference, tmp_path):
     proc = train(tmp_path / "other", *MP, "lora.rank=8", nproc=1, check=False,
                  extra=("--resume", str(reference / "checkpoints" / "step_2")))
     assert proc.returncode == 2 and "holds LoRA adapters of rank 4" in proc.stderr
+
+
+@pytest.mark.slow
+def test_generate_and_export_merge_the_adapters(reference, tmp_path):
+    """`llmsplit.load(RUN)` of a LoRA run (and `export --to hf`) is the base with each adapter
+    merged: the logits of the adapted model that trained, rebuilt here from the checkpoint."""
+    import llmsplit
+    from llmsplit.config import model_config
+    from llmsplit.io import dcp_files
+
+    cfg = load_config(reference / "config.toml")
+    model = Transformer(model_config(cfg, 258))
+    model.init_weights(cfg.train.seed)
+    apply_lora(model, 4, cfg.lora.alpha, 0.0, list("qkvo") + ["gate", "up", "down"])
+    ck = reference / "checkpoints" / "step_4"
+    state = {"model": {n: torch.empty(s) for n, s in dcp_files.saved_model_shapes(dcp_files.read_metadata(ck)).items()}}
+    dcp_files.load(state, ck)
+    model.load_state_dict(state["model"], strict=False)
+    tokens = torch.randint(0, 258, (1, 12))
+    want = model(tokens)
+    assert (model.layers["0"].attention.wq.lora_b != 0).any()  # the adapters did train
+    torch.testing.assert_close(llmsplit.load(str(reference), device_map="cpu").logits(tokens), want,
+                               rtol=1e-5, atol=1e-5)
+    run_cli("export", "--checkpoint", str(reference), "--to", "hf", str(tmp_path / "hf"))
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(hf(tokens).logits, want, rtol=1e-4, atol=1e-4)

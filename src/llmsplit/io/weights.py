@@ -58,6 +58,9 @@ class RunWeights:
         # The sizes of config.toml against the shapes the checkpoint's metadata records, before
         # any tensor is allocated (a config.toml saying 10⁹ layers is refused, not built).
         saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(ck))
+        if cfg.lora.rank:
+            self._state = lora_merged(cfg, self.config, ck, saved)
+            return
         problem = shape_mismatch(self.config, saved, layers_key="model.n_layers")
         if problem:
             raise ConfigError(f"{str(run_dir / CONFIG_FILE)!r} does not match checkpoint {str(ck)!r}: {problem}; "
@@ -79,3 +82,35 @@ class RunWeights:
             dim, index, parts = shard
             t = t.chunk(parts, dim)[index]
         return t.contiguous()
+
+
+def lora_merged(cfg, model_cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
+    """A LoRA run's model: the frozen base it trained on (model.hf, or the seed's initial
+    weights) with each adapter merged in, W + (alpha / rank) * B @ A, the same product the
+    adapted layer computed. Its checkpoints hold the adapters only."""
+    from . import dcp_files
+
+    if not saved or not all(name.endswith((".lora_a", ".lora_b")) for name in saved):
+        raise ConfigError(f"checkpoint {str(ck)!r} does not hold the LoRA adapters its run's config.toml "
+                          f"(lora.rank={cfg.lora.rank}) says it trained; pass the run's own checkpoint")
+    adapters = {"model": {name: torch.empty(shape) for name, shape in saved.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_files.load(adapters, ck)
+    if cfg.model.hf:
+        from .hf import HFWeights
+
+        source = HFWeights(cfg.model.hf)
+        base = {name: source.read(name).float() for name in source.names()}
+    else:
+        from ..models.llama import Transformer
+
+        model = Transformer(model_cfg)
+        model.init_weights(cfg.train.seed)  # what training started from: weights from (seed, name)
+        base = {name: t.detach() for name, t in model.state_dict().items()}
+    scale = cfg.lora.alpha / cfg.lora.rank
+    for name, a in adapters["model"].items():
+        if name.endswith(".lora_a"):
+            layer = name[:-len(".lora_a")]
+            base[f"{layer}.weight"] = base[f"{layer}.weight"] + scale * adapters["model"][f"{layer}.lora_b"] @ a
+    return base
