@@ -23,7 +23,7 @@ class Progress:
         else:
             print(f"step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                   f"tokens/s {rec['tokens_per_s']:.0f}  step {rec['step_time_s']:.2f}s  "
-                  f"peak {rec['peak_mem_bytes'] / 2**20:.0f} MiB", flush=True)
+                  f"peak {rec['peak_mem_bytes'] / 2**20:.0f} MiB" + _eval_text(rec), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -40,9 +40,19 @@ def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> Non
         ("loss", (f"{first_loss:.4f} -> " if first_loss is not None else "") + f"{summary['final_loss']:.4f}"),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
     ]
+    if "padding_fraction" in summary:  # packed chat data
+        rows.append(("data", f"{summary['loss_token_fraction']:.1%} of target tokens carry loss, "
+                             f"{summary['padding_fraction']:.1%} padding, {summary['truncated_documents']} "
+                             f"documents cut to data.seq_len + 1"))
+    if "eval_loss" in summary:
+        rows.append(("eval", _eval_text(summary).strip().removeprefix("eval ")))
     for r in summary["per_rank"]:
         rows.append((f"rank {r['rank']}", f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  params "
                      f"{r['param_bytes'] / 2**20:.1f} MiB  grads {r['grad_bytes'] / 2**20:.1f} MiB  "
                      f"optimizer {r['optim_bytes'] / 2**20:.1f} MiB"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
+
+
+def _eval_text(rec: dict) -> str:
+    return f"  eval loss {rec['eval_loss']:.4f}  perplexity {rec['eval_ppl']:.2f}" if "eval_loss" in rec else ""
