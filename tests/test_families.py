@@ -1,5 +1,6 @@
-"""The dense families beyond Llama: Qwen3 (q/k norms, a head size of its own) and Phi-3 (q/k/v and
-gate/up fused in its files). Each loads from a folder transformers wrote with its logits, greedy
+"""The dense families beyond Llama: Qwen3 (q/k norms, a head size of its own), Phi-3 (q/k/v and
+gate/up fused in its files) and Gemma 2 (norms of 1 + w before and after attention and MLP, scaled
+embeddings, GeGLU, a query scale, capped attention scores and logits, sliding-window layers). Each loads from a folder transformers wrote with its logits, greedy
 tokens the same whole and split over worker processes, fine-tunes from transformers' loss, and
 exports back to a folder transformers loads with the same logits."""
 
@@ -17,7 +18,15 @@ from llmsplit.infer.engine import SamplingParams  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
 
 # Qwen3's head_dim (24) is not hidden / heads (16), as in the real ones (1024 / 16 heads of 128).
-FAMILIES = {"qwen3": {"head_dim": 24}, "phi3": {"pad_token_id": None}}
+# Gemma 2's window (5) is shorter than the prompts plus their continuations; its caps and query
+# scale are small enough to change these random weights' logits (test_gemma_features_change_the_logits).
+FAMILIES = {"qwen3": {"head_dim": 24}, "phi3": {"pad_token_id": None},
+            "gemma2": {"head_dim": 24, "sliding_window": 5, "query_pre_attn_scalar": 1, "attn_logit_softcapping": 0.5,
+                       "final_logit_softcapping": 0.5, "pad_token_id": None}}
+EXPECT = {"qwen3": {"qk_norm": True, "family": None, "head_dim": 24}, "phi3": {"family": "phi3", "head_dim": 16},
+          "gemma2": {"family": "gemma2", "sandwich_norm": True, "embed_scale": 8.0, "sliding_window": 5,
+                     "sliding_pattern": 2, "attn_softcap": 0.5, "logit_softcap": 0.5, "query_pre_attn_scalar": 1.0,
+                     "mlp_act": "gelu_tanh"}}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -40,13 +49,33 @@ def _greedy(m, prompt, n=8):
 def test_logits_and_tokens_match_transformers(family):
     arch, folder = family
     ref, m = hf_model(folder), llmsplit.load(folder)
-    assert (m.config.qk_norm, m.config.family, m.config.head_dim) == (
-        (True, None, 24) if arch == "qwen3" else (False, "phi3", 16))
+    assert {k: getattr(m.config, k) for k in EXPECT[arch]} == EXPECT[arch]
     ids = _ids(m.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
         want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
     assert _greedy(m, ids[0].tolist()) == want.tolist()  # through the fused decode path and the KV cache
+
+
+def test_gemma_features_change_the_logits(family, tmp_path):
+    arch, folder = family
+    if arch != "gemma2":
+        pytest.skip("Gemma 2 only")
+    plain = tmp_path / "plain"  # the same weights, every layer global and nothing capped
+    plain.mkdir()
+    for f in ("model.safetensors", "tokenizer.json"):
+        (plain / f).symlink_to(folder / f)
+    raw = json.loads((folder / "config.json").read_text())
+    ids = _ids(raw["vocab_size"])
+    got = llmsplit.load(folder).logits(ids)
+    for change in ({"layer_types": ["full_attention"] * 4}, {"attn_logit_softcapping": None}, {"final_logit_softcapping": None},
+                   {"query_pre_attn_scalar": 24}):
+        (plain / "config.json").write_text(json.dumps({**raw, **change}))
+        with torch.no_grad():
+            want = hf_model(plain)(ids).logits
+        other = llmsplit.load(plain).logits(ids)
+        torch.testing.assert_close(other, want, atol=1e-4, rtol=0)
+        assert (other - got).abs().max() > 1e-3, change
 
 
 def test_fused_tensors_read_as_parts(tmp_path):
@@ -77,11 +106,11 @@ def test_split_over_workers_fine_tuned_and_exported(family, tmp_path):
         assert [_greedy(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
     finally:
         split.close()
-    # Fine-tuning with sharded loads along both dims (FSDP rows, TP rows and columns).
+    # Fine-tuning with tensor-parallel loads (rows of q/k/v and gate/up, columns of o and down).
     run = tmp_path / "run"
     sets = ["data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=2", "train.warmup_steps=1",
             "train.lr=3e-3"]
-    train(run, f"model.hf={folder}", *sets, "parallel.zero=3", "parallel.tp=2", nproc=4)
+    train(run, f"model.hf={folder}", *sets, "parallel.tp=2", nproc=2)
     got = losses(run)
     assert abs(got[0] - transformers_loss(folder)) <= 1e-5 * got[0] and got[1] < got[0]
     if arch == "qwen3":  # the q/k norms' gradients summed over the tp ranks' heads: step 2 as one process

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from ..models.hf_config import (UnsupportedHFConfig, eos_ids_from_hf, from_hf_name, fused_parts, read_hf_config,
-                                to_hf_name, weight_files)
+from ..models.hf_config import UnsupportedHFConfig, eos_ids_from_hf, read_hf_config
+from ..models.hf_names import from_hf_name, fused_parts, norm_offset, to_hf_name, weight_files
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import parameter_shapes
 
-__all__ = ["HFWeights", "expected_names", "from_hf_name", "to_hf_name"]  # the names live in models/hf_config.py
+__all__ = ["HFWeights", "expected_names", "from_hf_name", "to_hf_name"]  # the names live in models/hf_names.py
 
 
 class HFWeights:
@@ -54,7 +54,7 @@ class HFWeights:
                 parts = fused_parts(self.config, hf_name)
                 for ours, row, rows in parts or []:
                     self._where[ours] = (fname, hf_name, row, rows)
-                ours = from_hf_name(hf_name) if parts is None else None
+                ours = from_hf_name(hf_name, self.config) if parts is None else None
                 if ours is not None:
                     self._where[ours] = (fname, hf_name, 0, None)
         self.tokenizer = _folder_tokenizer(self.path)
@@ -86,7 +86,9 @@ class HFWeights:
         fname, hf_name, row, _ = self._where[self._resolve(name)]
         sl = self._files[fname].get_slice(hf_name)
         offsets = (offsets[0] + row, *offsets[1:]) if offsets else offsets
-        return sl[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        block = sl[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        offset = norm_offset(self.config, name)
+        return block.float() + offset if offset else block
 
     def _resolve(self, name: str) -> str:
         if name == "output.weight" and name not in self._where:

@@ -1,12 +1,11 @@
 """Hugging Face `config.json` ↔ `LlamaConfig`: the one key table, read by every entry point
 (`llmsplit plan --model FOLDER`, `train --set model.hf=FOLDER`, `generate --model FOLDER`)
-and written by export; and the one tensor-name table, with which `read_hf_config` checks
+and written by export; with the tensor-name table (`hf_names.py`), `read_hf_config` checks
 config.json against the tensor shapes the folder's safetensors headers declare before
 anything is built (read from the headers alone, so the planner can check without torch).
 
 What llmsplit's decoder cannot compute (another architecture, a rope scaling kind it does
-not implement, a head_dim that is not hidden_size / num_attention_heads, biases where it has
-none) is refused by name rather than loaded with silently different maths. This module
+not implement, biases where it has none, layer types without a fixed period) is refused by name rather than loaded with silently different maths. This module
 imports nothing else of llmsplit, so it raises `UnsupportedHFConfig` (a ValueError); each
 entry layer turns that into its own user error in one place.
 """
@@ -14,23 +13,20 @@ entry layer turns that into its own user error in one place.
 from __future__ import annotations
 
 import json
-import os
-import re
 from pathlib import Path
 
+from .hf_names import FUSED, UnsupportedHFConfig, to_hf_name, weight_files, weight_shapes
 from .llama import LlamaConfig
 from .rope import rope_params
-from .weight_shapes import Shape, shape_mismatch, structure_problem
+from .weight_shapes import shape_mismatch, structure_problem
 
-
-class UnsupportedHFConfig(ValueError):
-    """A config.json that llmsplit cannot represent; the message names the key and what is allowed."""
+__all__ = ["UnsupportedHFConfig", "config_from_hf", "config_to_hf", "eos_ids_from_hf", "is_hf_folder", "read_hf_config"]
 
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-# Families whose files hold q/k/v as one tensor and gate/up as another (read split, written fused).
-FUSED = ("phi3",)
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# Families whose config.json may name a sliding window (Qwen2/3 only with use_sliding_window, refused).
+_SLIDING = ("mistral", "phi3", "gemma2")
 
 _REQUIRED = object()
 # (config.json key, LlamaConfig field, kind, value when absent) — both directions read this.
@@ -91,7 +87,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     if model_type not in SUPPORTED or archs[0] not in SUPPORTED.values():
         raise UnsupportedHFConfig(f"{where}: architectures {archs[0]!r} (model_type {model_type!r}) is not "
                                   f"supported; llmsplit loads {', '.join(sorted(SUPPORTED.values()))}")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") != "silu" and model_type != "gemma2":
         raise UnsupportedHFConfig(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                                   f"the Llama family uses 'silu'")
     if raw.get("mlp_bias"):
@@ -112,11 +108,51 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
         raise UnsupportedHFConfig(f"{where}: rope_theta is {theta!r}; it must be a positive number")
     cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
                       rope_scaling=_rope_scaling(rope, rope_key, raw, where),
-                      family=model_type if model_type in FUSED else None)
+                      family=model_type if model_type in (*FUSED, "gemma2") else None,
+                      **(_sliding(raw, sizes["n_layers"], where) if model_type in _SLIDING else {}),
+                      **(_gemma(raw, sizes["dim"], where) if model_type == "gemma2" else {}))
     problem = structure_problem(cfg, _HF_KEY.get)
     if problem:
         raise UnsupportedHFConfig(f"{where}: {problem}")
     return cfg
+
+
+def _gemma(raw: dict, dim: int, where: str) -> dict:
+    """Gemma 2's fields of LlamaConfig (its norms' 1 + w is the readers' business)."""
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedHFConfig(f"{where}: hidden_activation {act!r} is not supported; Gemma uses 'gelu_pytorch_tanh'")
+    fields = {}
+    for key, field in (("query_pre_attn_scalar", "query_pre_attn_scalar"), ("attn_logit_softcapping", "attn_softcap"),
+                       ("final_logit_softcapping", "logit_softcap")):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise UnsupportedHFConfig(f"{where}: {key} is {value!r}; it must be a positive number or null")
+        fields[field] = None if value is None else float(value)
+    return {**fields, "embed_scale": dim ** 0.5, "sandwich_norm": True, "mlp_act": "gelu_tanh"}
+
+
+def _sliding(raw: dict, n_layers: int, where: str) -> dict:
+    """sliding_window and sliding_pattern from config.json's sliding_window and layer_types."""
+    window, types = raw.get("sliding_window"), raw.get("layer_types")
+    if window is None:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedHFConfig(f"{where}: sliding_window is {window!r}; it must be a positive integer or null")
+    if types is None:
+        return {"sliding_window": window}  # every layer (Mistral, Phi-3)
+    if not isinstance(types, list) or len(types) != n_layers or \
+            not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedHFConfig(f"{where}: layer_types must list 'sliding_attention' or 'full_attention' for "
+                                  f"each of the {n_layers} layers")
+    full = [t == "full_attention" for t in types]
+    if all(full):
+        return {}
+    for period in (0, *range(2, n_layers + 1)):
+        if full == [bool(period) and (i + 1) % period == 0 for i in range(n_layers)]:
+            return {"sliding_window": window, "sliding_pattern": period}
+    raise UnsupportedHFConfig(f"{where}: layer_types {types} is not supported; llmsplit's global layers come at a "
+                              f"fixed period (every Nth layer, the rest sliding)")
 
 
 def _sizes(raw: dict, where: str) -> dict:
@@ -179,17 +215,20 @@ def eos_ids_from_hf(raw: dict) -> set[int]:
 
 def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype) -> dict:
     """The config.json that makes transformers build `cfg` (`dtype`: a torch dtype or its name)."""
-    family = cfg.family or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise UnsupportedHFConfig("model.qk_norm and model.qkv_bias together have no config.json form (Qwen3 has "
-                                  "q/k norms and no biases, Qwen2 the reverse); set one of them false")
-    return {
+    family = cfg.family or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else
+                            "mistral" if cfg.sliding_window else "llama")
+    raw = {
         "architectures": [SUPPORTED[family]],
         "model_type": family,
         **{key: getattr(cfg, field) for key, field, _, _ in _KEYS},
         "rope_theta": cfg.rope_theta,
         **({"rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling)} if cfg.rope_scaling else {}),
-        "hidden_act": "silu",
+        **({"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar),
+            "attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.logit_softcap}
+           if family == "gemma2" else {"hidden_act": "silu"}),
+        **({"sliding_window": cfg.sliding_window, "layer_types": [
+            "sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layers)]}
+           if cfg.sliding_window else {}),
         "attention_bias": cfg.qkv_bias,
         "mlp_bias": False,
         "bos_token_id": bos_id,
@@ -197,6 +236,21 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
         "pad_token_id": None,  # Phi3Config's default (32000) lies outside most vocabularies
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    # What the family's config.json cannot say (q/k norms with biases, Gemma's caps on a Llama)
+    # would come back different: refused by name rather than exported as another model.
+    back = config_from_hf(json.loads(json.dumps(raw)), "the exported config.json")
+    same = {"rope_scaling": lambda a, b: rope_params(a) == rope_params(b)}
+    changed = next((f for f in cfg.to_dict() if not same.get(f, lambda a, b: a == b)(getattr(back, f), getattr(cfg, f))),
+                   None)
+    if changed is not None:
+        raise UnsupportedHFConfig(f"model.{changed} = {getattr(cfg, changed)!r} has no config.json form for "
+                                  f"model_type {family!r} (it would load as {getattr(back, changed)!r}); export "
+                                  f"writes the families transformers builds")
+    return raw
+
+
+def _int_if_whole(x: float | None):
+    return int(x) if x is not None and float(x).is_integer() else x  # Gemma2Config checks for an int
 
 
 def _rope_scaling_to_hf(scaling: str) -> dict:
@@ -207,151 +261,3 @@ def _rope_scaling_to_hf(scaling: str) -> dict:
     if params["rope_type"] == "dynamic":
         params.pop("original_max_position_embeddings")  # transformers scales from max_position_embeddings
     return params
-
-
-# (our pattern, Hugging Face pattern); {i} is a layer index.
-_NAMES = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.attention.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
-    ("layers.{i}.attention.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
-    ("layers.{i}.attention.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-]
-
-
-def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
-
-
-_TO_HF = [(_compile(ours), hf) for ours, hf in _NAMES]
-_TO_OURS = [(_compile(hf), ours) for ours, hf in _NAMES]
-
-
-def _translate(name: str, table) -> str | None:
-    for pattern, template in table:
-        m = pattern.match(name)
-        if m:
-            return template.format(**m.groupdict())
-    return None
-
-
-def to_hf_name(name: str, cfg: LlamaConfig | None = None) -> str:
-    """The Hugging Face name of our tensor `name`; for a family of FUSED, the fused tensor it is
-    rows of (writers concatenate the parts in our parameter order)."""
-    if cfg is not None and cfg.family in FUSED:
-        for pattern, fused in _FUSED_TO_HF:
-            m = pattern.match(name)
-            if m:
-                return fused.format(**m.groupdict())
-    hf = _translate(name, _TO_HF)
-    assert hf is not None, f"no Hugging Face name for {name}"
-    return hf
-
-
-# A FUSED family's tensors: (Hugging Face pattern, our tensors that are its rows, in order).
-_FUSED_NAMES = [
-    ("model.layers.{i}.self_attn.qkv_proj.weight",
-     ("layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight")),
-    ("model.layers.{i}.mlp.gate_up_proj.weight", ("layers.{i}.feed_forward.w1.weight", "layers.{i}.feed_forward.w3.weight")),
-]
-_FUSED_TO_HF = [(_compile(ours), hf) for hf, parts in _FUSED_NAMES for ours in parts]
-_FUSED_TO_OURS = [(_compile(hf), parts) for hf, parts in _FUSED_NAMES]
-
-
-def fused_parts(cfg: LlamaConfig, hf_name: str) -> list[tuple[str, int, int]] | None:
-    """For a fused tensor of `cfg`'s family: (our name, first row, rows) of each part; else None."""
-    if cfg.family not in FUSED:
-        return None
-    for pattern, parts in _FUSED_TO_OURS:
-        m = pattern.match(hf_name)
-        if m:
-            q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-            rows = (q, kv, kv) if len(parts) == 3 else (cfg.ffn_dim, cfg.ffn_dim)
-            starts = [sum(rows[:j]) for j in range(len(rows))]
-            return [(p.format(**m.groupdict()), start, n) for p, start, n in zip(parts, starts, rows)]
-    return None
-
-
-def from_hf_name(name: str) -> str | None:
-    """Our name for a Hugging Face tensor name; None for tensors we do not use
-    (e.g. precomputed rotary tables some checkpoints carry)."""
-    return _translate(name, _TO_OURS)
-
-
-INDEX_FILE = "model.safetensors.index.json"
-_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-
-
-def weight_files(folder: str | Path) -> list[str]:
-    """The safetensors files of a folder, relative to it: those its index names, or every
-    *.safetensors file; none for a folder that holds only config.json.
-
-    The index is data from whoever made the folder: a name that leads out of it ("../x",
-    "/etc/passwd") is refused. The check is on the name, not on where links point, because
-    the Hugging Face cache's snapshot folders are links into ../../blobs by design."""
-    folder = Path(folder)
-    index = folder / INDEX_FILE
-    if not index.is_file():
-        return sorted(p.name for p in folder.glob("*.safetensors"))
-    try:
-        names = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UnsupportedHFConfig(f"{str(index)!r} is not a safetensors index ({type(e).__name__}: {e})") from None
-    for name in names:
-        norm = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else os.pardir
-        if os.path.isabs(norm) or norm in (os.curdir, os.pardir) or norm.startswith(os.pardir + os.sep):
-            raise UnsupportedHFConfig(f"{str(index)!r} names the weight file {name!r}, which is not inside the "
-                                      f"model folder; refusing to open it (an index names files in its own folder)")
-    return sorted(names)
-
-
-def weight_shapes(folder: str | Path, files: list[str], cfg: LlamaConfig) -> dict[str, Shape]:
-    """Our name -> shape of every tensor llmsplit uses in `files`, from their headers alone. A
-    fused tensor gives each part its rows; one whose rows do not add up gives its first part all
-    of them, so the check names it."""
-    shapes = {}
-    for fname in files:
-        for hf_name, shape in header_shapes(Path(folder) / fname).items():
-            parts = fused_parts(cfg, hf_name)
-            if parts is not None:
-                whole = len(shape) == 2 and shape[0] == sum(n for _, _, n in parts)
-                for ours, _, n in parts if whole else parts[:1]:
-                    shapes[ours] = (n, shape[1]) if whole else tuple(shape)
-                continue
-            ours = from_hf_name(hf_name)
-            if ours is not None:
-                shapes[ours] = shape
-    return shapes
-
-
-def header_shapes(path: Path) -> dict[str, Shape]:
-    """Tensor name -> shape from a safetensors file's header (8 bytes of length, then JSON),
-    without reading any tensor data."""
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= min(_MAX_HEADER_BYTES, os.fstat(f.fileno()).st_size - 8):
-                raise ValueError(f"its header length {size} does not fit the file")
-            header = json.loads(f.read(size))
-        if not isinstance(header, dict):
-            raise ValueError("its header is not a JSON object")
-    except (OSError, ValueError) as e:
-        raise UnsupportedHFConfig(f"{str(path)!r} is not a readable safetensors file ({e})") from None
-    shapes = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise UnsupportedHFConfig(f"{str(path)!r}: tensor {name} has no valid shape in the safetensors header")
-        shapes[name] = tuple(shape)
-    return shapes

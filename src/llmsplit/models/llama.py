@@ -1,7 +1,8 @@
-"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM).
+"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, SmolLM).
 
 What the families add to Llama are fields of the one `LlamaConfig` (q/k biases, a head size
-of their own, q/k norms); how a family lays its tensors out in a file is the readers' business.
+of their own, q/k norms, Gemma 2's scalings, caps and sliding windows); how a family lays its
+tensors out in a file is the readers' business.
 
 Nothing here knows about ranks, meshes or stages: parallelism is applied from outside
 (`llmsplit.parallel`). Layers live in a `ModuleDict` keyed by their index so that a
@@ -12,6 +13,7 @@ keeps checkpoints layout-independent. Rotary embeddings use the Hugging Face
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import asdict, dataclass
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import apply_rope, dynamic_rope_limit, rope_for_heads, rope_tables
+from .attention import Attention, RMSNorm
+from .rope import dynamic_rope_limit, rope_for_heads, rope_tables
 
 
 @dataclass
@@ -44,6 +47,18 @@ class LlamaConfig:
     # The Hugging Face model_type to write back on export where the maths alone does not say
     # (Phi-3 is Llama's maths with q/k/v and gate/up fused in its files); None: from the fields.
     family: str | None = None
+    # Gemma 2: embeddings times sqrt(dim), norms after attention and MLP as well as before
+    # ("sandwich"), GeGLU, a query scale of its own, and tanh caps on attention scores and logits.
+    embed_scale: float = 1.0
+    sandwich_norm: bool = False
+    mlp_act: str = "silu"  # | "gelu_tanh"
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    # Keys within sliding_window positions only, on every layer (sliding_pattern 0, Mistral) or
+    # on all but every sliding_pattern-th layer (Gemma 2: 2, layers 1, 3, ... attend globally).
+    sliding_window: int | None = None
+    sliding_pattern: int = 0
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -53,6 +68,11 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def sliding(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` attends within the sliding window only."""
+        return self.sliding_window is not None and not (self.sliding_pattern and
+                                                        (layer_id + 1) % self.sliding_pattern == 0)
 
     def kv_params(self) -> int:
         """Parameters of one layer's key and value projections (with their biases)."""
@@ -67,87 +87,13 @@ class LlamaConfig:
         """Parameters of one decoder layer: the matmuls, the q/k/v biases and the norms."""
         bias = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.qk_norm else 0
-        return self.layer_matmul_params() + bias + qk_norm + 2 * self.dim
+        return self.layer_matmul_params() + bias + qk_norm + (4 if self.sandwich_norm else 2) * self.dim
 
     def num_params(self) -> int:
         """Parameter count, computed from the sizes alone (no model is built)."""
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * self.layer_params() + embed + head + self.dim
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-
-    # Set by `fuse_projections` for inference: [wq; wk; wv] as one weight (and bias), and the
-    # head counts of q and k in it. None: three matmuls (training, offloaded layers).
-    qkv: tuple | None = None
-
-    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0, mask=None):
-        """`mask` (training on packed rows, no cache): [b, 1, s, s], True where a query may
-        attend to a key (`document_mask`)."""
-        b, s, _ = x.shape
-        if self.qkv is not None:
-            # One matmul and one rotary pass over the q and k heads together: at batch 1 the
-            # per-op overhead is a large share of a decode step's time.
-            weight, bias, nq, nk = self.qkv
-            qkv = F.linear(x, weight, bias).view(b, s, -1, self.head_dim)
-            qk = qkv[:, :, :nq + nk]
-            if self.q_norm is not None:
-                qk = torch.cat([self.q_norm(qk[:, :, :nq]), self.k_norm(qk[:, :, nq:])], dim=2)
-            qk = apply_rope(qk, cos, sin)
-            q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nk:]
-        else:
-            # -1 heads: under tensor parallel each rank sees only its share of the heads.
-            q = self.wq(x).view(b, s, -1, self.head_dim)
-            k = self.wk(x).view(b, s, -1, self.head_dim)
-            v = self.wv(x).view(b, s, -1, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_id, start_pos, k, v)
-            # A cache holding sequences of different lengths supplies the mask that hides
-            # each sequence's padding; it is the same for every layer of a step.
-            mask = kv_cache.attn_mask(x.device)
-        n_rep = q.shape[1] // k.shape[1]
-        total = k.shape[2]
-        if mask is not None:
-            causal = False
-        elif total == s:
-            causal = True  # nothing cached before these tokens
-        elif s == 1:
-            causal = False  # one new token attends to everything cached
-        else:
-            # A chunk appended after cached tokens: position i sees cache + chunk[:i+1].
-            mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(total - s)
-            causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=n_rep > 1)
-        out = out.transpose(1, 2).reshape(b, s, -1)
-        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -157,13 +103,15 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
 
+        self.act = F.silu if cfg.mlp_act == "silu" else functools.partial(F.gelu, approximate="tanh")
+
     gate_up: torch.Tensor | None = None  # set by `fuse_projections`: [w1; w3] as one weight
 
     def forward(self, x):
         if self.gate_up is not None:
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(self.act(gate) * up)
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -171,13 +119,17 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, cfg.sliding(layer_id))
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0, mask=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos, mask=mask)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
@@ -223,12 +175,17 @@ class Transformer(nn.Module):
         if kv_cache is not None:  # generation: shaped once for all layers (training shards the sequence)
             cos, sin = rope_for_heads(cos, sin, s)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None and self.cfg.embed_scale != 1.0:
+            h = h * self.cfg.embed_scale
         for layer in self.layers.values():
             h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
         if last_only and self.output is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits, cap = self.output(h), self.cfg.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _extend_rope(self, length: int):
         cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device=self.rope_cos.device,

@@ -30,6 +30,9 @@ def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:
     for i in range(cfg.n_layers):
         yield f"layers.{i}.attention_norm.weight", (cfg.dim,)
         yield f"layers.{i}.ffn_norm.weight", (cfg.dim,)
+        if cfg.sandwich_norm:
+            yield f"layers.{i}.post_attention_norm.weight", (cfg.dim,)
+            yield f"layers.{i}.post_ffn_norm.weight", (cfg.dim,)
         for w, rows in (("wq", q), ("wk", kv), ("wv", kv)):
             yield f"layers.{i}.attention.{w}.weight", (rows, cfg.dim)
             if cfg.qkv_bias:

@@ -118,6 +118,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     # sharded dim, so their weight gradients are partial sums that DTensor adds over the ranks.
     head_norm = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
                  for n in ("q_norm", "k_norm") if cfg.qk_norm}
+    if cfg.sandwich_norm:  # Gemma 2's norms after attention and MLP, their output added to the residual
+        post = SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
+        head_norm.update({"post_attention_norm": post, "post_ffn_norm": post})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             **head_norm,
