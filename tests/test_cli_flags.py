@@ -40,6 +40,8 @@ def no_loading(monkeypatch):
     (["serve", "--max-batch", "0"], "--max-batch 0 must be at least 1"),
     (["serve", "--port", "70000"], "--port 70000 must be at most 65535"),
     (["serve", "--drain-timeout", "-5"], "--drain-timeout -5 must be at least 0"),
+    (["generate", "--quantize", "int3"], "argument --quantize: invalid choice: 'int3'"),
+    (["serve", "--quantize", "fp8"], "argument --quantize: invalid choice: 'fp8'"),
 ])
 def test_a_bad_value_exits_2_naming_the_flag_before_any_model_opens(no_loading, capsys, argv, said):
     code = main([argv[0], "--model", "SmolLM2-135M-Instruct.Q4_1.gguf", *argv[1:], "hi"])

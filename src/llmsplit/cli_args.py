@@ -241,6 +241,9 @@ def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> Non
     p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
     p.add_argument("--max-context", type=number(int, at_least=2), metavar="N", help="tokens per sequence the KV "
                    f"cache holds (default: {context_default})")
+    p.add_argument("--quantize", choices=("int8", "int4", "none"), help="keep the weights packed: int8 (one scale "
+                   "per row) or int4 (groups of 32) quantized at load; none widens a GGUF's own int4/int8 to --dtype "
+                   "(default: a GGUF keeps its own, other models stay float)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
                    "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
 

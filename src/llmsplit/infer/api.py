@@ -96,10 +96,13 @@ def placement_mode(device_map):
 
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
-         source=None) -> LoadedModel:
+         quantize: str | None = None, source=None) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
-    model already (`llmsplit generate` does, to count the prompt's tokens before sizing)."""
+    model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
+    `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
+    "int4" quantizes the float weights as they load, "none" widens everything to `dtype`."""
     source = source if source is not None else open_weights(path, what="model path")
+    quantize = _quantize_mode(quantize, compile)
     cfg = source.config
     dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size)
     max_context = sizes.context
@@ -112,7 +115,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                               "--max-memory and --offload-dir")
         if compile:
             raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-        runner = SplitRunner(split_spec(path, layout, dtype, num_blocks, block_size, max_context))
+        runner = SplitRunner(split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize))
         dmap = _split_map(cfg, layout)
         placement = None
     else:
@@ -121,13 +124,27 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         if "disk" in placement.device_map.values() and offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
-                                          offload_dir=offload_dir, compile=compile))
+                                          offload_dir=offload_dir, compile=compile, quantize=quantize))
         dmap = dict(placement.device_map)
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context)
     if compile:
         _compile_decode_graphs(engine, max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg)
+
+
+def _quantize_mode(quantize, compile: bool) -> str:
+    from ..quant import MODES
+
+    if quantize is not None and quantize not in MODES:
+        raise ConfigError(f"quantize {quantize!r} is not one of: {', '.join(MODES)}")
+    if torch.cuda.is_available() and quantize in ("int8", "int4"):
+        raise ConfigError(f"--quantize {quantize} runs on the CPU kernels only in this version; drop it on a GPU machine")
+    if torch.cuda.is_available() or (compile and quantize is None):
+        return "none"  # a GGUF's packed weights need the CPU kernels, and eager mode (below)
+    if compile and quantize != "none":
+        raise ConfigError(f"--compile runs float weights only in this version; drop --compile or --quantize {quantize}")
+    return quantize
 
 
 def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:

@@ -35,6 +35,7 @@ class SplitSpec:
     num_blocks: int
     block_size: int
     max_context: int
+    quantize: str | None = None
 
     @property
     def tp(self) -> int:
@@ -85,7 +86,7 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     placement = Placement({u: device for u in stage_units(cfg, spec.layout, stage)}, device, {}, {})
     runner = Runner(source, PieceSpec(placement, spec.dtype, spec.num_blocks, spec.block_size, spec.max_context,
                                       tp_rank=tp_rank, tp_size=spec.tp, tp_group=mesh.group("tp"),
-                                      layers=stage_layers(cfg, spec.layout)[stage]))
+                                      layers=stage_layers(cfg, spec.layout)[stage], quantize=spec.quantize))
     return runner, mesh
 
 
@@ -159,5 +160,6 @@ class SplitRunner:
         self.followers = None
 
 
-def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int) -> SplitSpec:
-    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context)
+def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int,
+               quantize: str | None = None) -> SplitSpec:
+    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize)

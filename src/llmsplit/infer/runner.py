@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
+from ..io.weights import read_weight
 from ..models.llama import Transformer
 from ..models.rope import rope_tables
 from .kv_cache import PagedKVCache, Step
@@ -44,6 +45,7 @@ class PieceSpec:
     offload_dir: str | None = None
     layers: list[int] = field(default_factory=list)  # empty: all
     compile: bool = False  # torch.compile the one-token decode step
+    quantize: str | None = None  # io.weights.read_weight: which weights stay packed
 
 
 def tp_shard(name: str, rank: int, size: int):
@@ -115,7 +117,9 @@ class Runner:
                 model.output.weight = model.tok_embeddings.weight  # one copy for both ends
                 self.devices[unit] = torch.device(dev)
                 continue
-            tensors = {key: self._read(source, f"{unit}.{key}") for key, _ in module.named_parameters()}
+            # Disk offload writes safetensors files, which hold plain tensors: those units are widened.
+            tensors = {key: self._read(source, f"{unit}.{key}", packed=unit not in offloaded)
+                       for key, _ in module.named_parameters()}
             if unit in offloaded:
                 if self.offloader is None:
                     self.offloader = Offloader(exec_device, spec.offload_dir)
@@ -174,11 +178,12 @@ class Runner:
             options["cpp_wrapper"] = True
         return torch.compile(self.model.forward, dynamic=True, options=options)
 
-    def _read(self, source, name: str) -> torch.Tensor:
+    def _read(self, source, name: str, packed: bool) -> torch.Tensor:
         if self.spec.tp_size > 1 and name in ("tok_embeddings.weight", "output.weight"):
             w = read_vocab_shard(source, name, self.cfg.vocab_size, self.spec.tp_rank, self.spec.tp_size)
             return w.to(self.spec.dtype)
-        return source.read(name, tp_shard(name, self.spec.tp_rank, self.spec.tp_size)).to(self.spec.dtype)
+        shard = tp_shard(name, self.spec.tp_rank, self.spec.tp_size)
+        return read_weight(source, name, shard, self.spec.quantize if packed else "none").to(self.spec.dtype)
 
     def _all_reduce(self, module, args, out):
         dist.all_reduce(out, group=self.spec.tp_group)

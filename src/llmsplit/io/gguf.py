@@ -176,6 +176,31 @@ class GGUFWeights:
 
         return expected_names(self.config)
 
+    def read_packed(self, name: str, shard: tuple[int, int, int] | None = None):
+        """The tensor kept packed (`quant.PackedWeight`), straight from its blocks, or None
+        for a type that is widened (`quant.formats` says which and why)."""
+        from .. import quant
+
+        t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]
+        if t.tensor_type.name not in quant.PACKED_GGUF_TYPES or not quant.is_matmul_weight(name):
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        g = quant.from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), rows, cols)
+        heads = {"wq": self.config.n_heads, "wk": self.config.n_kv_heads}.get(name.split(".")[-2])
+        if heads is not None:
+            g = g.rows(unpermute_from_gguf(torch.arange(rows), heads))
+        if shard is not None:
+            dim, index, parts = shard
+            if dim == 0:
+                g = g.rows(slice(index * rows // parts, (index + 1) * rows // parts))
+            else:
+                try:
+                    g = g.column_chunk(index, parts)
+                except ValueError as e:
+                    raise ConfigError(f"{str(self.path)!r}: {name} cannot be split {parts} ways packed: {e}; "
+                                      f"use another --tp, or --quantize none to widen it") from None
+        return quant.pack_groups(g)
+
     def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
         from gguf.quants import dequantize
 

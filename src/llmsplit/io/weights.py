@@ -114,3 +114,23 @@ def lora_merged(cfg, model_cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor
             layer = name[:-len(".lora_a")]
             base[f"{layer}.weight"] = base[f"{layer}.weight"] + scale * adapters["model"][f"{layer}.lora_b"] @ a
     return base
+
+
+def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, quantize: str | None = None):
+    """`source.read`, with weights kept packed where asked: `quantize` None keeps a GGUF's own
+    packed types (and widens the rest), "none" widens everything, "int8" / "int4" keeps a
+    GGUF's packed types and quantizes every other matmul weight as it is read, one tensor at
+    a time (the float copy of the whole model never exists)."""
+    from .. import quant
+
+    if quantize != "none" and hasattr(source, "read_packed"):
+        packed = source.read_packed(name, shard)
+        if packed is not None:
+            return packed
+    w = source.read(name, shard)
+    if quantize in ("int8", "int4") and quant.is_matmul_weight(name) and w.dim() == 2:
+        try:
+            return quant.quantize(w, quantize)
+        except ValueError as e:
+            raise ConfigError(f"--quantize {quantize}: {name} {tuple(w.shape)}: {e}; use --quantize int8") from None
+    return w

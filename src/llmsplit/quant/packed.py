@@ -1,0 +1,145 @@
+"""`PackedWeight`: a linear layer's or embedding's weight [out, in] kept packed in memory.
+
+A tensor subclass rather than a swapped module, because the plain model calls
+`F.linear` on weights directly (the fused q/k/v and gate/up weights of inference,
+`runner.fuse_projections`): the subclass catches `F.linear`, `F.embedding` and `torch.cat`
+(the fusion) at `__torch_function__` and answers them from the packed bytes, so neither
+`models/` nor the runner knows. Any other operation on it is refused by name: nothing
+silently widens a packed weight to float.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .formats import Groups
+
+
+class PackedWeight(torch.Tensor):
+    """kind "int4": `packed` is the CPU kernel's layout, `scales` its bf16 [groups, rows, 2]
+    scales and zeros, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
+    and `scales` bf16 [out]. `rows` (start, stop) makes it a view of rows of `base`."""
+
+    @staticmethod
+    def __new__(cls, kind, packed, scales, shape, group=0, doubled=False, base=None, rows=None):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=packed.device,
+                                                   requires_grad=False)
+
+    def __init__(self, kind, packed, scales, shape, group=0, doubled=False, base=None, rows=None):
+        self.kind, self.packed, self.scales, self.group, self.doubled = kind, packed, scales, group, doubled
+        self.base, self.rows = base, rows
+
+    @classmethod
+    def from_groups(cls, g: Groups) -> PackedWeight:
+        packed, sz = kernels.pack_int4(g)
+        return cls("int4", packed, sz, (g.q.shape[0], g.in_features), g.group, g.doubled)
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+        return cls("int8", q, scale.to(torch.bfloat16), tuple(q.shape))
+
+    def __repr__(self):
+        return f"PackedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group}, doubled={self.doubled})"
+
+    def _same(self) -> PackedWeight:
+        return PackedWeight(self.kind, self.packed, self.scales, tuple(self.shape), self.group, self.doubled,
+                            self.base, self.rows)
+
+    def groups(self, index: torch.Tensor | None = None) -> Groups:
+        assert self.kind == "int4" and self.base is None
+        return kernels.unpack_int4(self.packed, self.scales, self.shape[0], self.group, self.doubled, index)
+
+    def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out, in] (or rows `index` of it)."""
+        if self.base is not None:
+            full = self.base.dequantize()
+            return full[self.rows[0]:self.rows[1]] if index is None else full[self.rows[0] + index]
+        if self.kind == "int8":
+            q = self.packed if index is None else self.packed[index]
+            s = self.scales if index is None else self.scales[index]
+            return q.float() * s.float()[:, None]
+        return self.groups(index).dequantize()
+
+    def nbytes_held(self) -> dict[int, int]:
+        """Bytes of the tensors behind this weight, by storage (a view shares its base's)."""
+        if self.base is not None:
+            return self.base.nbytes_held()
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (self.packed, self.scales)}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return _linear(*args, **kwargs)
+        if func is F.embedding:
+            ids, weight = args[0], args[1]
+            return weight.dequantize(ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+        if func is torch.cat:
+            return _cat(*args, **kwargs)
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], slice) and args[1].step in (None, 1):
+            self = args[0]
+            start, stop, _ = args[1].indices(self.shape[0])
+            base = self if self.base is None else self.base
+            offset = 0 if self.rows is None else self.rows[0]
+            return PackedWeight(self.kind, self.packed, self.scales, (stop - start, self.shape[1]), self.group,
+                                self.doubled, base, (offset + start, offset + stop))
+        if func in (torch.Tensor.detach, torch.Tensor.requires_grad_, torch.Tensor.contiguous):
+            return args[0]._same() if func is torch.Tensor.detach else args[0]
+        if func is torch.Tensor.to:
+            return _to(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} is not defined on a packed (int4/int8) weight; llmsplit runs packed "
+                                  f"weights through F.linear and F.embedding only")
+
+
+def _linear(x, weight, bias=None):
+    if weight.base is not None:
+        y = _linear(x, weight.base)[..., weight.rows[0]:weight.rows[1]]
+    elif weight.kind == "int8":
+        y = kernels.int8_linear(x, weight)
+    else:
+        y = kernels.int4_linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def _cat(tensors, dim=0):
+    """The fused q/k/v and gate/up weights: rows of packed weights of one kind, repacked once
+    at load. Weights of mixed kinds (a GGUF that stores v in another type) are widened."""
+    tensors = list(tensors)
+    first = tensors[0]
+    same = all(isinstance(t, PackedWeight) and t.base is None and t.kind == first.kind
+               and (t.group, t.doubled) == (first.group, first.doubled) for t in tensors)
+    if dim != 0 or not same:
+        return torch.cat([t.dequantize() if isinstance(t, PackedWeight) else t for t in tensors], dim)
+    if first.kind == "int8":
+        return PackedWeight.int8(torch.cat([t.packed for t in tensors]), torch.cat([t.scales for t in tensors]))
+    parts = [t.groups() for t in tensors]
+    return PackedWeight.from_groups(Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                                           torch.cat([p.zero for p in parts]), first.group, first.doubled))
+
+
+def _to(self, *args, **kwargs):
+    """A floating dtype is the activations' (packed weights keep their bytes); another device
+    is refused: the CUDA kernels want another layout, packed at load on that device."""
+    device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
+    if device is not None and torch.device(device).type != self.device.type:
+        raise NotImplementedError("packed weights stay on the CPU they were packed on in this version")
+    return self
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers `module` holds, each storage once, packed weights
+    by their packed bytes: what a loaded model costs in memory."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if isinstance(t, PackedWeight):
+            seen.update(t.nbytes_held())
+        elif t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
