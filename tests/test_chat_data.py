@@ -82,6 +82,19 @@ def test_the_default_transcript_and_a_bpe_tokenizer():
     end, nl = raw.token_to_id("<|im_end|>"), tok.encode("\n")
     want = tok.encode("Yo.") + [end] + nl + tok.encode("It is 4.") + [end] + nl
     assert [i for i, m in zip(ids, mask) if m] == want
+    # transformers' own mask (return_assistant_tokens_mask, which needs markers): for MARKED as
+    # it is, and for CHATML with markers around what the incremental renders found.
+    import transformers
+
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw)
+    for template, theirs in ((MARKED, MARKED), (CHATML, MARKED.replace("{% endgeneration %}{% else %}",
+                                                                        "{{ '\n' }}{% endgeneration %}{% else %}")
+                                                .replace("{% endif %}{{ '\n' }}", "{{ '\n' }}{% endif %}"))):
+        tok.chat_template = template
+        ids, mask = encode_conversation(MESSAGES, tok, "assistant")
+        ref = fast.apply_chat_template(MESSAGES, chat_template=theirs, tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+        assert ref["input_ids"] == ids and ref["assistant_masks"] == mask.tolist()
 
 
 @pytest.mark.parametrize("template, fragment", [
