@@ -75,11 +75,11 @@ def _measure(source: str, env: dict, threads: int, seconds: float, new: int) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _start_neighbour(source: str) -> subprocess.Popen:
+def _start_neighbour(source: str, settle_s: float) -> subprocess.Popen:
     code = f"import benchmarks.threads as b; b.decode_rate({source!r}, 2, 1e9, 10**9, forever=True)"
     proc = subprocess.Popen([sys.executable, "-c", code], env=_worker_env({}), cwd=Path(__file__).parent.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(8)  # past its imports and load: decoding when the measurement starts
+    time.sleep(settle_s)  # past its imports and load: decoding when the measurement starts
     return proc
 
 
@@ -94,7 +94,7 @@ def _source(tmp: Path, quick: bool) -> tuple[str, str]:
 
 def main(quick: bool = False) -> dict:
     rounds, seconds, new = (1, 1.0, 8) if quick else (3, 12.0, 128)
-    settings = SETTINGS[:2] if quick else SETTINGS
+    settings = SETTINGS[:1] if quick else SETTINGS
     rates = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
     loads = {"quiet": [], "loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +102,7 @@ def main(quick: bool = False) -> dict:
         for r in range(rounds):
             order = settings if r % 2 == 0 else settings[::-1]
             for cond in ("quiet", "loaded"):
-                neighbour = _start_neighbour(source) if cond == "loaded" else None
+                neighbour = _start_neighbour(source, 2 if quick else 8) if cond == "loaded" else None
                 try:
                     for name, env, threads in order:
                         rates[name, cond].append(_measure(source, env, threads, seconds, new))
