@@ -37,6 +37,7 @@ def make_hf_folder(path: Path, arch: str = "llama", tie: bool = False, seed: int
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).float().eval()

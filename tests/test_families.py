@@ -1,6 +1,7 @@
 """The dense families beyond Llama: Qwen3 (q/k norms, a head size of its own), Phi-3 (q/k/v and
-gate/up fused in its files) and Gemma 2 (norms of 1 + w before and after attention and MLP, scaled
-embeddings, GeGLU, a query scale, capped attention scores and logits, sliding-window layers). Each loads from a folder transformers wrote with its logits, greedy
+gate/up fused in its files), Gemma 2 (norms of 1 + w before and after attention and MLP, scaled
+embeddings, GeGLU, a query scale, capped attention scores and logits, sliding-window layers) and
+Gemma 3 (Gemma 2 without the caps, with q/k norms and a rotary base of its own on sliding layers). Each loads from a folder transformers wrote with its logits, greedy
 tokens the same whole and split over worker processes, fine-tunes from transformers' loss, and
 exports back to a folder transformers loads with the same logits."""
 
@@ -22,11 +23,23 @@ from llmsplit.io.hf import HFWeights  # noqa: E402
 # scale are small enough to change these random weights' logits (test_gemma_features_change_the_logits).
 FAMILIES = {"qwen3": {"head_dim": 24}, "phi3": {"pad_token_id": None},
             "gemma2": {"head_dim": 24, "sliding_window": 5, "query_pre_attn_scalar": 1, "attn_logit_softcapping": 0.5,
-                       "final_logit_softcapping": 0.5, "pad_token_id": None}}
+                       "final_logit_softcapping": 0.5, "pad_token_id": None},
+            # Global layers 2 and 5 of 6 with linear rope scaling, sliding ones with a base of 10.
+            "gemma3_text": {"head_dim": 24, "sliding_window": 5, "query_pre_attn_scalar": 1, "pad_token_id": None,
+                            "num_hidden_layers": 6, "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2,
+                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                   "rope_theta": 1e4}}}}
 EXPECT = {"qwen3": {"qk_norm": True, "family": None, "head_dim": 24}, "phi3": {"family": "phi3", "head_dim": 16},
           "gemma2": {"family": "gemma2", "sandwich_norm": True, "embed_scale": 8.0, "sliding_window": 5,
                      "sliding_pattern": 2, "attn_softcap": 0.5, "logit_softcap": 0.5, "query_pre_attn_scalar": 1.0,
-                     "mlp_act": "gelu_tanh"}}
+                     "mlp_act": "gelu_tanh"},
+          "gemma3_text": {"family": "gemma3_text", "qk_norm": True, "sandwich_norm": True, "sliding_pattern": 3,
+                          "rope_local_theta": 10.0, "attn_softcap": None, "rope_scaling": '{"factor": 4.0, '
+                          '"rope_type": "linear"}'}}
+# The slow checks run where a family's risks are: Gemma 3 (local rope tables in pipeline stages,
+# q/k norm gradients over tp ranks, 1 + w written back) and Phi-3 (fused reads and writes).
+SPLIT, TRAIN = ("gemma3_text",), ("gemma3_text", "phi3")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -59,8 +72,16 @@ def test_logits_and_tokens_match_transformers(family):
 
 def test_gemma_features_change_the_logits(family, tmp_path):
     arch, folder = family
-    if arch != "gemma2":
-        pytest.skip("Gemma 2 only")
+    if arch == "gemma2":
+        changes = ({"layer_types": ["full_attention"] * 4}, {"attn_logit_softcapping": None},
+                   {"final_logit_softcapping": None}, {"query_pre_attn_scalar": 24})
+    elif arch == "gemma3_text":  # the sliding layers' own rotary base
+        local = {"rope_type": "default", "rope_theta": 1e4}
+        changes = ({"rope_parameters": {**FAMILIES[arch]["rope_parameters"], "sliding_attention": local}},)
+    else:
+        changes = None
+    if changes is None:
+        pytest.skip("Gemma only")
     plain = tmp_path / "plain"  # the same weights, every layer global and nothing capped
     plain.mkdir()
     for f in ("model.safetensors", "tokenizer.json"):
@@ -68,8 +89,7 @@ def test_gemma_features_change_the_logits(family, tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     ids = _ids(raw["vocab_size"])
     got = llmsplit.load(folder).logits(ids)
-    for change in ({"layer_types": ["full_attention"] * 4}, {"attn_logit_softcapping": None}, {"final_logit_softcapping": None},
-                   {"query_pre_attn_scalar": 24}):
+    for change in changes:
         (plain / "config.json").write_text(json.dumps({**raw, **change}))
         with torch.no_grad():
             want = hf_model(plain)(ids).logits
@@ -97,15 +117,18 @@ def test_fused_tensors_read_as_parts(tmp_path):
 @pytest.mark.slow
 def test_split_over_workers_fine_tuned_and_exported(family, tmp_path):
     arch, folder = family
+    if arch not in SPLIT + TRAIN:
+        pytest.skip("covered by the families that share its features")
     whole = llmsplit.load(folder, device_map="cpu")
     ids = _ids(whole.config.vocab_size)
     want = whole.logits(ids), [_greedy(whole, p) for p in ([5, 17, 42, 99], [12, 8, 300])]
-    split = llmsplit.load(folder, tp=2, pp=2)  # tensor and pipeline workers at once
-    try:
-        torch.testing.assert_close(split.logits(ids), want[0], atol=1e-5, rtol=0)
-        assert [_greedy(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
-    finally:
-        split.close()
+    if arch in SPLIT:
+        split = llmsplit.load(folder, tp=2, pp=2)  # tensor and pipeline workers at once
+        try:
+            torch.testing.assert_close(split.logits(ids), want[0], atol=1e-5, rtol=0)
+            assert [_greedy(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
+        finally:
+            split.close()
     # Fine-tuning with tensor-parallel loads (rows of q/k/v and gate/up, columns of o and down).
     run = tmp_path / "run"
     sets = ["data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=2", "train.warmup_steps=1",
@@ -113,7 +136,7 @@ def test_split_over_workers_fine_tuned_and_exported(family, tmp_path):
     train(run, f"model.hf={folder}", *sets, "parallel.tp=2", nproc=2)
     got = losses(run)
     assert abs(got[0] - transformers_loss(folder)) <= 1e-5 * got[0] and got[1] < got[0]
-    if arch == "qwen3":  # the q/k norms' gradients summed over the tp ranks' heads: step 2 as one process
+    if whole.config.qk_norm:  # the q/k norms' gradients summed over the tp ranks' heads: step 2 as one process
         train(tmp_path / "one", f"model.hf={folder}", *sets)
         assert_close_losses(got, losses(tmp_path / "one"))
     out = tmp_path / "hf"

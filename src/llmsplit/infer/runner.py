@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ConfigError
 from ..io.weights import read_weight
 from ..models.llama import Transformer
-from ..models.rope import rope_tables
+from ..models.rope import model_rope_tables
 from .kv_cache import PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
@@ -130,8 +130,7 @@ class Runner:
                 set_parameter(module, key, t.to(dev))
             self.devices[unit] = torch.device(dev)
         first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
-        cos, sin = rope_tables(cfg.head_dim, spec.max_context, cfg.rope_theta, device=first, scaling=cfg.rope_scaling)
-        model.rope_cos, model.rope_sin = cos, sin
+        model.rope_cos, model.rope_sin = model_rope_tables(cfg, spec.max_context, first)
         self._move_at_device_changes(model)
         fuse_projections([model.layers[str(i)] for i in owned if f"layers.{i}" not in offloaded])
         if spec.tp_size > 1:

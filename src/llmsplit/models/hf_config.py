@@ -24,9 +24,11 @@ __all__ = ["UnsupportedHFConfig", "config_from_hf", "config_to_hf", "eos_ids_fro
 
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+             "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
 # Families whose config.json may name a sliding window (Qwen2/3 only with use_sliding_window, refused).
-_SLIDING = ("mistral", "phi3", "gemma2")
+_SLIDING = ("mistral", "phi3", *GEMMA)
 
 _REQUIRED = object()
 # (config.json key, LlamaConfig field, kind, value when absent) — both directions read this.
@@ -87,7 +89,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     if model_type not in SUPPORTED or archs[0] not in SUPPORTED.values():
         raise UnsupportedHFConfig(f"{where}: architectures {archs[0]!r} (model_type {model_type!r}) is not "
                                   f"supported; llmsplit loads {', '.join(sorted(SUPPORTED.values()))}")
-    if raw.get("hidden_act", "silu") != "silu" and model_type != "gemma2":
+    if raw.get("hidden_act", "silu") != "silu" and model_type not in GEMMA:
         raise UnsupportedHFConfig(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                                   f"the Llama family uses 'silu'")
     if raw.get("mlp_bias"):
@@ -99,6 +101,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
         raise UnsupportedHFConfig(f"{where}: attention_bias true is not supported for model_type {model_type!r}; "
                                   f"llmsplit has q/k/v biases (as Qwen2) but none on the attention output")
     sizes = _sizes(raw, where)
+    raw, local_theta = _local_rope(raw, where) if model_type == "gemma3_text" else (raw, None)
     rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     rope = raw.get(rope_key) or {}
     if not isinstance(rope, dict):
@@ -106,11 +109,14 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise UnsupportedHFConfig(f"{where}: rope_theta is {theta!r}; it must be a positive number")
-    cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+    cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2",
+                      qk_norm=model_type in ("qwen3", "gemma3_text"),
                       rope_scaling=_rope_scaling(rope, rope_key, raw, where),
-                      family=model_type if model_type in (*FUSED, "gemma2") else None,
+                      family=model_type if model_type in (*FUSED, *GEMMA) else None, rope_local_theta=local_theta,
                       **(_sliding(raw, sizes["n_layers"], where) if model_type in _SLIDING else {}),
-                      **(_gemma(raw, sizes["dim"], where) if model_type == "gemma2" else {}))
+                      **(_gemma(raw, sizes["dim"], where) if model_type in GEMMA else {}))
+    if local_theta is not None and cfg.rope_scaling and json.loads(cfg.rope_scaling)["rope_type"] == "dynamic":
+        raise UnsupportedHFConfig(f"{where}: dynamic rope scaling with Gemma 3's local rotary base is not supported")
     problem = structure_problem(cfg, _HF_KEY.get)
     if problem:
         raise UnsupportedHFConfig(f"{where}: {problem}")
@@ -130,6 +136,23 @@ def _gemma(raw: dict, dim: int, where: str) -> dict:
             raise UnsupportedHFConfig(f"{where}: {key} is {value!r}; it must be a positive number or null")
         fields[field] = None if value is None else float(value)
     return {**fields, "embed_scale": dim ** 0.5, "sandwich_norm": True, "mlp_act": "gelu_tanh"}
+
+
+def _local_rope(raw: dict, where: str) -> tuple[dict, float]:
+    """Gemma 3's two rotary bases: config.json with only the global layers' rope left in it
+    (parsed as any family's), and the sliding layers' base."""
+    rope = raw.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise UnsupportedHFConfig(f"{where}: rope_parameters.sliding_attention {local!r} is not supported; "
+                                      f"llmsplit rotates Gemma 3's sliding layers with rope_type 'default'")
+        theta, raw = local.get("rope_theta", 10000.0), {**raw, "rope_parameters": rope["full_attention"]}
+    else:
+        theta = raw.get("rope_local_base_freq", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise UnsupportedHFConfig(f"{where}: the sliding layers' rope_theta is {theta!r}; it must be a positive number")
+    return raw, float(theta)
 
 
 def _sliding(raw: dict, n_layers: int, where: str) -> dict:
@@ -225,7 +248,8 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
         **({"rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling)} if cfg.rope_scaling else {}),
         **({"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar),
             "attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.logit_softcap}
-           if family == "gemma2" else {"hidden_act": "silu"}),
+           if family in GEMMA else {"hidden_act": "silu"}),
+        **({"rope_local_base_freq": cfg.rope_local_theta} if cfg.rope_local_theta is not None else {}),
         **({"sliding_window": cfg.sliding_window, "layer_types": [
             "sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layers)]}
            if cfg.sliding_window else {}),

@@ -22,7 +22,7 @@ class UnsupportedHFConfig(ValueError):
 FUSED = ("phi3",)
 # Families whose norms compute x·(1 + w): their files hold w, our RMSNorm weights hold 1 + w
 # (readers add 1, writers take it off; llama.cpp's Gemma converter stores 1 + w the same way).
-NORM_PLUS_ONE = ("gemma2",)
+NORM_PLUS_ONE = ("gemma2", "gemma3_text")
 
 
 def norm_offset(cfg: LlamaConfig, name: str) -> float:

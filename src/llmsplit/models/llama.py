@@ -1,7 +1,7 @@
-"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, SmolLM).
+"""A plain PyTorch Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, SmolLM).
 
 What the families add to Llama are fields of the one `LlamaConfig` (q/k biases, a head size
-of their own, q/k norms, Gemma 2's scalings, caps and sliding windows); how a family lays its
+of their own, q/k norms, Gemma 2/3's scalings, caps, sliding windows and local rotary base); how a family lays its
 tensors out in a file is the readers' business.
 
 Nothing here knows about ranks, meshes or stages: parallelism is applied from outside
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, RMSNorm
-from .rope import dynamic_rope_limit, rope_for_heads, rope_tables
+from .rope import dynamic_rope_limit, model_rope_tables, rope_for_heads, rope_tables
 
 
 @dataclass
@@ -59,6 +59,7 @@ class LlamaConfig:
     # on all but every sliding_pattern-th layer (Gemma 2: 2, layers 1, 3, ... attend globally).
     sliding_window: int | None = None
     sliding_pattern: int = 0
+    rope_local_theta: float | None = None  # Gemma 3: the rotary base of the sliding layers
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -142,7 +143,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling)
+        cos, sin = model_rope_tables(cfg, cfg.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -177,8 +178,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.tok_embeddings is not None and self.cfg.embed_scale != 1.0:
             h = h * self.cfg.embed_scale
+        hd, local = self.cfg.head_dim, self.cfg.rope_local_theta is not None
         for layer in self.layers.values():
-            h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
+            if local:  # the global and local tables side by side (`model_rope_tables`)
+                half = slice(hd, None) if self.cfg.sliding(layer.layer_id) else slice(None, hd)
+                h = layer(h, cos[..., half], sin[..., half], kv_cache, start_pos, mask=mask)
+            else:
+                h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
         if last_only and self.output is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
@@ -188,9 +194,7 @@ class Transformer(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _extend_rope(self, length: int):
-        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device=self.rope_cos.device,
-                               scaling=self.cfg.rope_scaling)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = model_rope_tables(self.cfg, length, self.rope_cos.device)
 
     def _dynamic_rope(self, start_pos, s: int, limit: int, cos, sin):
         """Dynamic NTK scaling as transformers applies it: a call whose longest sequence ends
@@ -216,9 +220,7 @@ class Transformer(nn.Module):
         device = buffer_device or next(iter(self.buffers())).device
         if device.type == "meta":
             device = torch.device("cpu")
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
-                               scaling=self.cfg.rope_scaling)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = model_rope_tables(self.cfg, self.cfg.max_seq_len, device)
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in _unique_named_parameters(self):
             if name.endswith("norm.weight"):

@@ -75,6 +75,18 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scal
     return emb.cos(), emb.sin()
 
 
+def model_rope_tables(cfg, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin tables a `Transformer(cfg)` keeps: [length, head_dim] each, or with
+    cfg.rope_local_theta (Gemma 3's sliding layers rotate with a base of their own) the global
+    and the local table side by side, [length, 2 * head_dim], so that every caller keeps
+    slicing and indexing one table by position."""
+    cos, sin = rope_tables(cfg.head_dim, length, cfg.rope_theta, device=device, scaling=cfg.rope_scaling)
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    local_cos, local_sin = rope_tables(cfg.head_dim, length, cfg.rope_local_theta, device=device)
+    return torch.cat([cos, local_cos], dim=-1), torch.cat([sin, local_sin], dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
