@@ -121,3 +121,34 @@ def test_generate_and_export_merge_the_adapters(reference, tmp_path):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(hf(tokens).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
+    """`export --to peft`: PEFT's names, shapes and scale. Applied to the transformers model of
+    model.hf the way PEFT merges it (W + lora_alpha / r * B @ A), the adapter gives the logits of
+    `llmsplit.load(RUN)`. (peft itself, a benchmark-only peer, loads it with PeftModel.from_pretrained.)"""
+    import transformers
+    from safetensors.torch import load_file
+
+    import llmsplit
+    from hf_models import make_hf_folder
+
+    base = make_hf_folder(tmp_path / "base")
+    train(tmp_path / "run", f"model.hf={base}", "lora.rank=4", "lora.alpha=8", "lora.targets=q,v,down",
+          "train.lr=1e-2", "data.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "train.steps=2", nproc=1)
+    run_cli("export", "--checkpoint", str(tmp_path / "run"), "--to", "peft", str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, ["down_proj", "q_proj", "v_proj"])
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert adapter["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (4, 128)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        for key, a in adapter.items():
+            if ".lora_A." in key:
+                module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
+                module.weight += 8 / 4 * adapter[key.replace("lora_A", "lora_B")] @ a
+    tokens = torch.randint(0, 300, (1, 12))
+    torch.testing.assert_close(model(tokens).logits, llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(tokens),
+                               rtol=1e-4, atol=1e-4)
+    assert (tmp_path / "adapter" / "tokenizer.json").is_file()

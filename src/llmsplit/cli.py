@@ -268,8 +268,12 @@ def cmd_plot(args) -> int:
 def cmd_export(args) -> int:
     from .infer.placement import parse_size
     from .io.hf_export import export_hf
+    from .io.peft_export import export_peft
 
-    info = export_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size, "--max-shard-size"))
+    if args.to == "peft":
+        info = export_peft(args.checkpoint, args.out)
+    else:
+        info = export_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size, "--max-shard-size"))
     print(f"wrote {info['out']}: {info['tensors']} tensors in {info['files']} safetensors file(s), "
           f"{info['params'] / 1e6:.2f}M parameters")
     return 0

@@ -175,7 +175,9 @@ def _add_export(sub) -> argparse.ArgumentParser:
                        epilog=EPILOG)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CHECKPOINT",
                    help="a run folder (its newest checkpoint) or one checkpoint folder")
-    p.add_argument("--to", required=True, choices=("hf",), help="output format (hf: Hugging Face)")
+    p.add_argument("--to", required=True, choices=("hf", "peft"),
+                   help="output format (hf: a Hugging Face model folder, LoRA adapters merged; peft: a LoRA run's "
+                        "adapters as a PEFT adapter folder for its model.hf)")
     p.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
     p.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors file (default 5GiB)")
     return p

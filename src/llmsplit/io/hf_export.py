@@ -97,7 +97,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tok.bos_id, "eos_token_id": eos}, indent=1))
-    _write_tokenizer(tok, out)
+    write_tokenizer(tok, out)
     return {"tensors": len(tensors), "files": len(shards), "params": cfg.num_params(), "out": str(out)}
 
 
@@ -113,7 +113,7 @@ def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, t
     return shards + [current] if current else shards
 
 
-def _write_tokenizer(tok, out: Path) -> None:
+def write_tokenizer(tok, out: Path) -> None:
     if isinstance(tok, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_tokenizer_json())
         special = {"bos_token": "<s>", "eos_token": "</s>"}

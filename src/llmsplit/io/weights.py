@@ -88,15 +88,7 @@ def lora_merged(cfg, model_cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor
     """A LoRA run's model: the frozen base it trained on (model.hf, or the seed's initial
     weights) with each adapter merged in, W + (alpha / rank) * B @ A, the same product the
     adapted layer computed. Its checkpoints hold the adapters only."""
-    from . import dcp_files
-
-    if not saved or not all(name.endswith((".lora_a", ".lora_b")) for name in saved):
-        raise ConfigError(f"checkpoint {str(ck)!r} does not hold the LoRA adapters its run's config.toml "
-                          f"(lora.rank={cfg.lora.rank}) says it trained; pass the run's own checkpoint")
-    adapters = {"model": {name: torch.empty(shape) for name, shape in saved.items()}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_files.load(adapters, ck)
+    adapters = {"model": read_adapters(cfg, ck, saved)}
     if cfg.model.hf:
         from .hf import HFWeights
 
@@ -134,3 +126,17 @@ def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, qu
         except ValueError as e:
             raise ConfigError(f"--quantize {quantize}: {name} {tuple(w.shape)}: {e}; use --quantize int8") from None
     return w
+
+
+def read_adapters(cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a LoRA run's checkpoint (name -> tensor, whole, on the CPU)."""
+    from . import dcp_files
+
+    if not saved or not all(name.endswith((".lora_a", ".lora_b")) for name in saved):
+        raise ConfigError(f"checkpoint {str(ck)!r} does not hold the LoRA adapters its run's config.toml "
+                          f"(lora.rank={cfg.lora.rank}) says it trained; pass the run's own checkpoint")
+    adapters = {"model": {name: torch.empty(shape) for name, shape in saved.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_files.load(adapters, ck)
+    return adapters["model"]
