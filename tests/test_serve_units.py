@@ -233,3 +233,26 @@ def test_serving_beyond_this_machine_without_a_key_warns(flags, warned, monkeypa
     assert cli.main(["serve", "--model", "m", *flags]) == 0 and served
     err = capsys.readouterr().err
     assert ("warning" in err and "--api-key" in err) == warned, err
+
+
+def test_incremental_detokenization_equals_decoding_everything(model):
+    """Each step decodes one token (issue 19: the engine re-decoded the whole text per
+    token); the pieces, streamed or not, join to `decode` of all the ids, characters split
+    over several tokens included (byte-level BPE here, UTF-8 bytes for the byte tokenizer)."""
+    text = "Héllo wörld, 日本語 🎉 done"
+    for tok in (model.tokenizer, ByteTokenizer()):
+        ids = tok.encode(text)
+        stream = tok.stream()
+        pieces = [stream.step(i) for i in ids]
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert "\ufffd" not in "".join(pieces[:-1])  # no half character ever comes out
+    streamed = []
+    seq = model.engine.new_sequence(model.tokenizer.encode("The def"), SamplingParams(40, ignore_eos=True))
+    seq.on_text = streamed.append
+    model.engine.generate([seq])
+    assert "".join(streamed) == seq.text == model.tokenizer.decode(seq.tokens)
+    # A stop string found in the newest text only, and cut there.
+    stop = seq.text[5:9]
+    seq2 = model.engine.new_sequence(model.tokenizer.encode("The def"), SamplingParams(40, ignore_eos=True, stop=[stop]))
+    model.engine.generate([seq2])
+    assert seq2.finish_reason == "stop" and seq2.text == seq.text[:seq.text.index(stop)]

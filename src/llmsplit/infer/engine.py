@@ -55,6 +55,7 @@ class Sequence:
     emitted: int = 0  # characters already streamed
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "abort"
     on_text: Callable[[str], None] | None = None  # receives text once it can no longer change
+    detok: object = None  # the tokenizer's incremental decoder (`stream()`): text one token at a time
 
     @property
     def length(self) -> int:
@@ -119,7 +120,7 @@ class Engine:
         gen = torch.Generator()
         gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         self._next_id += 1
-        return Sequence(self._next_id, list(prompt), params, gen)
+        return Sequence(self._next_id, list(prompt), params, gen, detok=self.tokenizer.stream())
 
     def check(self, seq: Sequence) -> None:
         """Refuse a sequence whose worst case could never fit in the pool (it would wait forever)."""
@@ -198,24 +199,29 @@ class Engine:
         self.sampled_tokens += 1
         if nxt in self.eos_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
+            seq.text = self.tokenizer.decode(seq.tokens)  # with what the decoder still held back
         else:
             seq.tokens.append(nxt)
-            seq.text = self.tokenizer.decode(seq.tokens)
-            hits = [seq.text.index(s) for s in p.stop if s in seq.text]
+            before = len(seq.text)
+            seq.text += seq.detok.step(nxt)
+            # Only a stop string that ends in the new text can be new.
+            hits = [i for i in (seq.text.find(s, max(0, before - len(s) + 1)) for s in p.stop) if i >= 0]
             if hits:
                 seq.text, seq.finish_reason = seq.text[:min(hits)], "stop"
             elif len(seq.tokens) >= p.max_new_tokens or seq.length >= self.max_context:
                 seq.finish_reason = "length"
+                # The end: an unfinished character the decoder held back comes out as U+FFFD, as
+                # decoding everything at once gives it (one full decode per sequence, not per token).
+                seq.text = self.tokenizer.decode(seq.tokens)
         if seq.on_text is not None:
             self._stream(seq)
 
     @staticmethod
     def _stream(seq: Sequence) -> None:
-        # Hold back what could still change: a partial UTF-8 character, or the start of a stop string.
+        # Hold back what could still change: the start of a stop string. (A partial UTF-8
+        # character never reaches seq.text: the incremental decoder keeps it until complete.)
         end = len(seq.text)
         if seq.finish_reason is None:
-            if seq.text.endswith("\ufffd"):
-                end = len(seq.text.rstrip("\ufffd"))
             hold = max((len(s) - 1 for s in seq.params.stop), default=0)
             end = max(seq.emitted, end - hold)
         if end > seq.emitted:

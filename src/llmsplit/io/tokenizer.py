@@ -8,6 +8,7 @@ A tokenizer is known by its content (`fingerprint`), never by the path it was na
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import shutil
@@ -39,6 +40,19 @@ class ByteTokenizer:
 
     def token_text(self, i: int | None) -> str:
         return ""  # the document markers have no text form
+
+    def stream(self) -> "ByteStream":
+        return ByteStream()
+
+
+class ByteStream:
+    """Incremental decoding of byte ids: text comes out once its UTF-8 character is complete."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, i: int) -> str:
+        return self._utf8.decode(bytes([i])) if 0 <= i < 256 else ""
 
 
 class HFTokenizer:
@@ -89,6 +103,24 @@ class HFTokenizer:
     def token_text(self, i: int | None) -> str:
         """The text of one token (e.g. "<s>"), which chat templates write into the prompt."""
         return "" if i is None else self._tok.id_to_token(i) or ""
+
+    def stream(self) -> "HFStream":
+        return HFStream(self._tok)
+
+
+class HFStream:
+    """Incremental decoding with `tokenizers`' own DecodeStream: each step costs one token,
+    not a decode of everything generated so far, and a character split over several tokens
+    (byte fallback, multi-byte UTF-8) comes out whole once its last token arrives. The
+    concatenated pieces equal `decode` of all the ids."""
+
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+
+    def step(self, i: int) -> str:
+        return self._stream.step(self._tok, i) or ""
 
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer"):
