@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import assert_close_losses, losses, run_cli, train
+
 from llmsplit.adapters.lora import LoRALinear, apply_lora, init_lora
 from llmsplit.config import ConfigError, load_config, validate
 from llmsplit.models.llama import LlamaConfig, Transformer
@@ -129,10 +129,10 @@ def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     model.hf the way PEFT merges it (W + lora_alpha / r * B @ A), the adapter gives the logits of
     `llmsplit.load(RUN)`. (peft itself, a benchmark-only peer, loads it with PeftModel.from_pretrained.)"""
     import transformers
+    from hf_models import make_hf_folder
     from safetensors.torch import load_file
 
     import llmsplit
-    from hf_models import make_hf_folder
 
     base = make_hf_folder(tmp_path / "base")
     train(tmp_path / "run", f"model.hf={base}", "lora.rank=4", "lora.alpha=8", "lora.targets=q,v,down",
@@ -152,3 +152,26 @@ def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     torch.testing.assert_close(model(tokens).logits, llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(tokens),
                                rtol=1e-4, atol=1e-4)
     assert (tmp_path / "adapter" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_lora_init_continues_from_a_peft_adapter_or_a_run(tmp_path):
+    """On data of exactly one global batch every step sees the same rows, so a run whose adapters
+    start from another's step-2 adapters (its PEFT export, or its checkpoint) logs at step 1 the
+    loss the other logged at step 3, under another layout too."""
+    from hf_models import make_hf_folder
+
+    base = make_hf_folder(tmp_path / "base")
+    (tmp_path / "one.txt").write_text("x" * 120)
+    sets = [f"model.hf={base}", "lora.rank=4", "lora.alpha=8", "train.lr=1e-2", "data.seq_len=24",
+            f"data.source=text:{tmp_path / 'one.txt'}", "train.global_batch=4", "train.micro_batch=4"]
+    train(tmp_path / "a", *sets, "train.steps=3", "checkpoint.every=2", nproc=1)
+    run_cli("export", "--checkpoint", str(tmp_path / "a" / "checkpoints" / "step_2"), "--to", "peft",
+            str(tmp_path / "adapter"))
+    step3 = losses(tmp_path / "a")[2:]
+    train(tmp_path / "b", *sets, "train.steps=1", f"lora.init={tmp_path / 'adapter'}", "parallel.tp=2", nproc=2)
+    assert_close_losses(losses(tmp_path / "b"), step3)
+    train(tmp_path / "c", *sets, "train.steps=1", f"lora.init={tmp_path / 'a' / 'checkpoints' / 'step_2'}", nproc=1)
+    assert_close_losses(losses(tmp_path / "c"), step3)
+    proc = train(tmp_path / "d", *sets, "lora.rank=8", f"lora.init={tmp_path / 'adapter'}", nproc=1, check=False)
+    assert proc.returncode == 2 and "is an adapter of r=4, lora_alpha=8; set lora.rank" in proc.stderr

@@ -268,7 +268,7 @@ def cmd_plot(args) -> int:
 def cmd_export(args) -> int:
     from .infer.placement import parse_size
     from .io.hf_export import export_hf
-    from .io.peft_export import export_peft
+    from .io.peft_adapter import export_peft
 
     if args.to == "peft":
         info = export_peft(args.checkpoint, args.out)

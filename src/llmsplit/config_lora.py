@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -16,7 +17,7 @@ class LoraSection:
     dropout: float = 0.0
     targets: str = "q,k,v,o,gate,up,down"
     base: str = "none"  # "nf4" | "int8" (QLoRA) are reserved names, not yet available
-    init: str | None = None  # a PEFT adapter folder or a run to continue from: not yet available
+    init: str | None = None  # a PEFT adapter folder, or a LoRA run (or checkpoint), to start the adapters from
 
 
 def check_lora(lora: LoraSection) -> None:
@@ -35,6 +36,6 @@ def check_lora(lora: LoraSection) -> None:
     if lora.base != "none":
         raise ConfigError(f"lora.base={lora.base!r}: a quantized base (QLoRA) is not available in this version; "
                           f"remove lora.base")
-    if lora.init is not None:
-        raise ConfigError("lora.init: continuing from a PEFT adapter or another run is not available in this "
-                          "version; remove lora.init")
+    if lora.init is not None and not Path(lora.init).exists():
+        raise ConfigError(f"lora.init={lora.init!r} does not exist; pass a PEFT adapter folder (adapter_config.json) "
+                          f"or a LoRA run folder or checkpoint")

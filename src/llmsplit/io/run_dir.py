@@ -167,6 +167,7 @@ def absolute_paths(cfg: Config) -> None:
         return os.path.abspath(path) if path else path
 
     cfg.model.hf, cfg.model.gguf = absolute(cfg.model.hf), absolute(cfg.model.gguf)
+    cfg.lora.init = absolute(cfg.lora.init)
     cfg.checkpoint.dir, cfg.memory.offload_dir = absolute(cfg.checkpoint.dir), absolute(cfg.memory.offload_dir)
     if cfg.data.tokenizer != "byte":
         cfg.data.tokenizer = absolute(cfg.data.tokenizer)

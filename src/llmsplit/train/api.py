@@ -185,6 +185,10 @@ def check_job(job: TrainJob) -> None:
 
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
     record_model_sizes(job.cfg, job.model_cfg)
+    if job.cfg.lora.init:
+        from ..io.peft_adapter import check_init
+
+        check_init(job.cfg.lora.init, job.cfg.lora)
     if job.resume == "auto":  # the workers warn about the checkpoints skipped
         job.resume_from = usable_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
     if job.resume_from is not None:

@@ -46,3 +46,17 @@ def load_pretrained(model: torch.nn.Module, source) -> int:
 
 def _is_block(local: torch.Tensor, shape) -> bool:
     return tuple(local.shape) == tuple(shape)
+
+
+@torch.no_grad()
+def load_adapters(model: torch.nn.Module, init: str, lora, model_cfg) -> None:
+    """Start the LoRA adapters from `lora.init` (each rank keeps its shard of each)."""
+    from ..io.peft_adapter import initial_adapters
+    from ..models.llama import assign_full_tensor
+
+    params = {plain_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
+    found = initial_adapters(init, lora, model_cfg, sorted(params))
+    for name, p in params.items():
+        if tuple(found[name].shape) != tuple(p.shape):
+            raise ConfigError(f"lora.init={init!r}: {name} is {list(found[name].shape)}, the model's {list(p.shape)}")
+        assign_full_tensor(p, found[name])

@@ -36,12 +36,19 @@ from .bubble import PipelineTimes, bubble_report
 from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluate import data_summary, evaluate
 from .hangs import HangReporter
-from .init_from import load_pretrained
+from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
-from .profile import StepProfiler, report as profile_report
+from .profile import StepProfiler
+from .profile import report as profile_report
 from .resume_check import run_inputs
-from .run_files import MetricsLog, agree_on_run_dir, resume_source, run_summary, write_summary
+from .run_files import (
+    MetricsLog,
+    agree_on_run_dir,
+    resume_source,
+    run_summary,
+    write_summary,
+)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -109,6 +116,8 @@ class Trainer:
         self.pm = build_parallel_model(self.model_cfg, cfg, self.mesh, device)
         if cfg.model.hf:
             load_pretrained(self.pm.model, HFWeights(cfg.model.hf))
+        if cfg.lora.init:
+            load_adapters(self.pm.model, cfg.lora.init, cfg.lora, self.model_cfg)
         self.optimizer = build_optimizer(self.pm.model, cfg, self.mesh)
         self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
