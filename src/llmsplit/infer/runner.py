@@ -77,6 +77,8 @@ def fuse_projections(layers) -> None:
                 set_parameter(m, "bias", bias[row:row + n])
             row += n
         att.qkv = (weight, bias, att.wq.weight.shape[0] // att.head_dim, att.wk.weight.shape[0] // att.head_dim)
+        if not isinstance(ff.w1, nn.Linear):
+            continue  # a mixture of experts: its experts already run as grouped matmuls
         gate_up = torch.cat([ff.w1.weight, ff.w3.weight])
         set_parameter(ff.w1, "weight", gate_up[:ff.w1.weight.shape[0]])
         set_parameter(ff.w3, "weight", gate_up[ff.w1.weight.shape[0]:])

@@ -17,7 +17,7 @@ import torch
 
 from ..config import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, eos_ids_from_hf, read_hf_config
-from ..models.hf_names import from_hf_name, fused_parts, norm_offset, to_hf_name, weight_files
+from ..models.hf_names import expert_part, from_hf_name, fused_parts, norm_offset, to_hf_name, weight_files
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import parameter_shapes
 
@@ -44,6 +44,7 @@ class HFWeights:
         self._files = {}  # file name -> open safe_open handle (memory-mapped, opened once)
         # our name -> (file, HF name, first row, rows): a part of a fused tensor is a block of its rows
         self._where: dict[str, tuple[str, str, int, int | None]] = {}
+        self._experts: dict[str, dict[int, tuple[str, str]]] = {}  # our stacked name -> expert -> (file, HF name)
         for fname in files:
             try:
                 handle = safe_open(str(self.path / fname), framework="pt")
@@ -51,6 +52,10 @@ class HFWeights:
                 raise ConfigError(f"{str(self.path / fname)!r} is not a readable safetensors file ({e})") from None
             self._files[fname] = handle
             for hf_name in handle.keys():
+                expert = expert_part(self.config, hf_name)
+                if expert is not None:  # one expert's tensor of the stack our model holds
+                    self._experts.setdefault(expert[0], {})[expert[1]] = (fname, hf_name)
+                    continue
                 parts = fused_parts(self.config, hf_name)
                 for ours, row, rows in parts or []:
                     self._where[ours] = (fname, hf_name, row, rows)
@@ -63,6 +68,9 @@ class HFWeights:
         return expected_names(self.config)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._experts:
+            fname, hf_name = self._experts[name][0]
+            return (len(self._experts[name]), *self._files[fname].get_slice(hf_name).get_shape())
         fname, hf_name, _, rows = self._where[self._resolve(name)]
         shape = tuple(self._files[fname].get_slice(hf_name).get_shape())
         return shape if rows is None else (rows, *shape[1:])
@@ -83,6 +91,11 @@ class HFWeights:
     def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block [offsets, offsets + sizes) of tensor `name`, read without the rest (how
         a rank of a sharded training layout loads only its shard)."""
+        if name in self._experts:  # experts offsets[0].. of the stack, each read as its own block
+            experts = self._experts[name]
+            return torch.stack([self._files[experts[e][0]].get_slice(experts[e][1])[
+                tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:]))]
+                for e in range(offsets[0], offsets[0] + sizes[0])])
         fname, hf_name, row, _ = self._where[self._resolve(name)]
         sl = self._files[fname].get_slice(hf_name)
         offsets = (offsets[0] + row, *offsets[1:]) if offsets else offsets

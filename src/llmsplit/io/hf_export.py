@@ -17,7 +17,7 @@ import torch
 
 from ..config import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, config_to_hf
-from ..models.hf_names import norm_offset
+from ..models.hf_names import expert_names, norm_offset
 from .hf import to_hf_name
 from .tokenizer import ByteTokenizer, copy_tokenizer_files
 
@@ -68,6 +68,10 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
     for name in weights.names():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # transformers re-ties lm_head to the embedding
+        experts = expert_names(cfg, name)
+        if experts is not None:  # our stack of experts: one tensor per expert, as transformers names them
+            parts.update({hf: [t] for hf, t in zip(experts, weights.read(name))})
+            continue
         parts.setdefault(to_hf_name(name, cfg), []).append(weights.read(name) - norm_offset(cfg, name))
     # A family that fuses q/k/v (gate/up) gets the parts as rows of one tensor, in our order.
     tensors = {hf: torch.cat(ts).contiguous() for hf, ts in parts.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .hf_names import FUSED, UnsupportedHFConfig, to_hf_name, weight_files, weight_shapes
+from .hf_names import FUSED, MOE_FAMILIES, UnsupportedHFConfig, to_hf_name, weight_files, weight_shapes
 from .llama import LlamaConfig
 from .rope import rope_params
 from .weight_shapes import shape_mismatch, structure_problem
@@ -25,10 +25,10 @@ __all__ = ["UnsupportedHFConfig", "config_from_hf", "config_to_hf", "eos_ids_fro
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-             "gemma3_text": "Gemma3ForCausalLM"}
+             "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 # Families whose config.json may name a sliding window (Qwen2/3 only with use_sliding_window, refused).
-_SLIDING = ("mistral", "phi3", *GEMMA)
+_SLIDING = ("mistral", "phi3", "mixtral", *GEMMA)
 
 _REQUIRED = object()
 # (config.json key, LlamaConfig field, kind, value when absent) — both directions read this.
@@ -110,9 +110,10 @@ def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise UnsupportedHFConfig(f"{where}: rope_theta is {theta!r}; it must be a positive number")
     cfg = LlamaConfig(**sizes, rope_theta=float(theta), qkv_bias=model_type == "qwen2",
-                      qk_norm=model_type in ("qwen3", "gemma3_text"),
+                      qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
                       rope_scaling=_rope_scaling(rope, rope_key, raw, where),
-                      family=model_type if model_type in (*FUSED, *GEMMA) else None, rope_local_theta=local_theta,
+                      family=model_type if model_type in (*FUSED, *GEMMA, *MOE_FAMILIES) else None,
+                      rope_local_theta=local_theta, **(_moe(raw, model_type, where) if model_type in MOE_FAMILIES else {}),
                       **(_sliding(raw, sizes["n_layers"], where) if model_type in _SLIDING else {}),
                       **(_gemma(raw, sizes["dim"], where) if model_type in GEMMA else {}))
     if local_theta is not None and cfg.rope_scaling and json.loads(cfg.rope_scaling)["rope_type"] == "dynamic":
@@ -136,6 +137,26 @@ def _gemma(raw: dict, dim: int, where: str) -> dict:
             raise UnsupportedHFConfig(f"{where}: {key} is {value!r}; it must be a positive number or null")
         fields[field] = None if value is None else float(value)
     return {**fields, "embed_scale": dim ** 0.5, "sandwich_norm": True, "mlp_act": "gelu_tanh"}
+
+
+def _moe(raw: dict, model_type: str, where: str) -> dict:
+    """The mixture-of-experts fields of Mixtral's and Qwen3-MoE's config.json."""
+    qwen = model_type == "qwen3_moe"
+    if qwen and (raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers")):
+        raise UnsupportedHFConfig(f"{where}: decoder_sparse_step {raw.get('decoder_sparse_step')} / mlp_only_layers "
+                                  f"{raw.get('mlp_only_layers')} is not supported; llmsplit's MoE models have experts "
+                                  f"in every layer (1 and [])")
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, as Mixtral's.
+    keys = {"n_experts": "num_experts" if qwen and "num_experts" in raw else "num_local_experts",
+            "experts_per_token": "num_experts_per_tok",
+            "moe_ffn_dim": "moe_intermediate_size" if qwen else "intermediate_size"}
+    out = {}
+    for field, key in keys.items():
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedHFConfig(f"{where}: {key} is {value!r}; it must be a positive int")
+        out[field] = value
+    return {**out, "router_renorm": bool(raw.get("norm_topk_prob", False)) if qwen else True}
 
 
 def _local_rope(raw: dict, where: str) -> tuple[dict, float]:
@@ -238,7 +259,8 @@ def eos_ids_from_hf(raw: dict) -> set[int]:
 
 def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype) -> dict:
     """The config.json that makes transformers build `cfg` (`dtype`: a torch dtype or its name)."""
-    family = cfg.family or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else
+    family = cfg.family or (("qwen3_moe" if cfg.qk_norm else "mixtral") if cfg.n_experts else
+                            "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else
                             "mistral" if cfg.sliding_window else "llama")
     raw = {
         "architectures": [SUPPORTED[family]],
@@ -250,6 +272,7 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
             "attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.logit_softcap}
            if family in GEMMA else {"hidden_act": "silu"}),
         **({"rope_local_base_freq": cfg.rope_local_theta} if cfg.rope_local_theta is not None else {}),
+        **_moe_to_hf(cfg, family),
         **({"sliding_window": cfg.sliding_window, "layer_types": [
             "sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layers)]}
            if cfg.sliding_window else {}),
@@ -271,6 +294,17 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
                                   f"model_type {family!r} (it would load as {getattr(back, changed)!r}); export "
                                   f"writes the families transformers builds")
     return raw
+
+
+def _moe_to_hf(cfg: LlamaConfig, family: str) -> dict:
+    if family == "mixtral":
+        return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token}
+    if family == "qwen3_moe":
+        return {"num_experts": cfg.n_experts, "num_local_experts": cfg.n_experts,
+                "num_experts_per_tok": cfg.experts_per_token,
+                "moe_intermediate_size": cfg.moe_ffn_dim, "norm_topk_prob": cfg.router_renorm,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {}
 
 
 def _int_if_whole(x: float | None):

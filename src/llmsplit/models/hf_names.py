@@ -58,12 +58,26 @@ _SANDWICH_NAMES = [
 ]
 
 
+# Mixture-of-experts families: (ours, Hugging Face); {e} an expert, whose tensors we stack.
+_MOE_NAMES = {
+    "mixtral": [("layers.{i}.feed_forward.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
+                *[(f"layers.{{i}}.feed_forward.{w}", f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight")
+                  for w in ("w1", "w3", "w2")]],
+    "qwen3_moe": [("layers.{i}.feed_forward.router.weight", "model.layers.{i}.mlp.gate.weight"),
+                  *[(f"layers.{{i}}.feed_forward.{w}", f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight")
+                    for w, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]],
+}
+MOE_FAMILIES = tuple(_MOE_NAMES)
+
+
 def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
+    return re.compile("^" + re.escape(pattern).replace(r"\{e\}", r"(?P<e>\d+)").replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
 
 
 _TO_HF = [(_compile(ours), hf) for ours, hf in _NAMES]
 _TO_OURS = [(_compile(hf), ours) for ours, hf in _NAMES]
+_MOE_TO_HF = {f: [(_compile(ours), hf) for ours, hf in names] for f, names in _MOE_NAMES.items()}
+_MOE_TO_OURS = {f: [(_compile(hf), ours) for ours, hf in names] for f, names in _MOE_NAMES.items()}
 _SANDWICH_TO_HF = [(_compile(ours), hf) for ours, hf in _SANDWICH_NAMES]
 _SANDWICH_TO_OURS = [(_compile(hf), ours) for ours, hf in _SANDWICH_NAMES]
 
@@ -71,8 +85,8 @@ _SANDWICH_TO_OURS = [(_compile(hf), ours) for ours, hf in _SANDWICH_NAMES]
 def _translate(name: str, table) -> str | None:
     for pattern, template in table:
         m = pattern.match(name)
-        if m:
-            return template.format(**m.groupdict())
+        if m:  # an expert's {e} stays a placeholder where the match has none
+            return template.format(**{"e": "{e}", **m.groupdict()})
     return None
 
 
@@ -85,9 +99,33 @@ def to_hf_name(name: str, cfg: LlamaConfig | None = None) -> str:
             if m:
                 return fused.format(**m.groupdict())
     hf = _translate(name, _SANDWICH_TO_HF) if cfg is not None and cfg.sandwich_norm else None
+    if cfg is not None and cfg.n_experts:
+        hf = hf or _translate(name, _MOE_TO_HF[moe_family(cfg)])
     hf = hf or _translate(name, _TO_HF)
     assert hf is not None, f"no Hugging Face name for {name}"
     return hf
+
+
+def moe_family(cfg: LlamaConfig) -> str:
+    return cfg.family if cfg.family in MOE_FAMILIES else "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
+def expert_names(cfg: LlamaConfig, name: str) -> list[str] | None:
+    """For our stacked experts' tensor `name`, the Hugging Face name of each expert's; else None."""
+    hf = to_hf_name(name, cfg) if cfg.n_experts and name.endswith(("feed_forward.w1", "feed_forward.w3",
+                                                                   "feed_forward.w2")) else None
+    return None if hf is None else [hf.replace("{e}", str(e)) for e in range(cfg.n_experts)]
+
+
+def expert_part(cfg: LlamaConfig, hf_name: str) -> tuple[str, int] | None:
+    """(our stacked tensor, expert index) for one expert's Hugging Face tensor; else None."""
+    if not cfg.n_experts:
+        return None
+    for pattern, ours in _MOE_TO_OURS[moe_family(cfg)]:
+        m = pattern.match(hf_name)
+        if m and "e" in m.groupdict():
+            return ours.format(i=m["i"]), int(m["e"])
+    return None
 
 
 # A FUSED family's tensors: (Hugging Face pattern, our tensors that are its rows, in order).
@@ -118,6 +156,8 @@ def from_hf_name(name: str, cfg: LlamaConfig | None = None) -> str | None:
     """Our name for a Hugging Face tensor name (of `cfg`'s family); None for tensors we do not
     use (e.g. precomputed rotary tables some checkpoints carry)."""
     ours = _translate(name, _SANDWICH_TO_OURS) if cfg is not None and cfg.sandwich_norm else None
+    if cfg is not None and cfg.n_experts and expert_part(cfg, name) is None:
+        ours = ours or _translate(name, _MOE_TO_OURS[moe_family(cfg)])
     return ours or _translate(name, _TO_OURS)
 
 
@@ -151,8 +191,8 @@ def weight_files(folder: str | Path) -> list[str]:
 def weight_shapes(folder: str | Path, files: list[str], cfg: LlamaConfig) -> dict[str, Shape]:
     """Our name -> shape of every tensor llmsplit uses in `files`, from their headers alone. A
     fused tensor gives each part its rows; one whose rows do not add up gives its first part all
-    of them, so the check names it."""
-    shapes = {}
+    of them, so the check names it. Experts' tensors are stacked as our model holds them."""
+    shapes, experts = {}, {}
     for fname in files:
         for hf_name, shape in header_shapes(Path(folder) / fname).items():
             parts = fused_parts(cfg, hf_name)
@@ -161,9 +201,16 @@ def weight_shapes(folder: str | Path, files: list[str], cfg: LlamaConfig) -> dic
                 for ours, _, n in parts if whole else parts[:1]:
                     shapes[ours] = (n, shape[1]) if whole else tuple(shape)
                 continue
+            expert = expert_part(cfg, hf_name)
+            if expert is not None:  # stacked: as many as the file has, each expert's shape
+                experts.setdefault(expert[0], {})[expert[1]] = tuple(shape)
+                continue
             ours = from_hf_name(hf_name, cfg)
             if ours is not None:
                 shapes[ours] = shape
+    for ours, found in experts.items():
+        first = found[min(found)]
+        shapes[ours] = (len(found), *first) if all(s == first for s in found.values()) else (len(found), -1)
     return shapes
 
 

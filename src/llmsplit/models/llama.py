@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, RMSNorm
+from .moe import MoE
 from .rope import dynamic_rope_limit, model_rope_tables, rope_for_heads, rope_tables
 
 
@@ -60,12 +61,24 @@ class LlamaConfig:
     sliding_window: int | None = None
     sliding_pattern: int = 0
     rope_local_theta: float | None = None  # Gemma 3: the rotary base of the sliding layers
+    # Mixture of experts (models/moe.py) in every layer's MLP when n_experts > 0: top-k of
+    # n_experts SwiGLU experts of moe_ffn_dim (None: ffn_dim), softmax or sigmoid router scores,
+    # the k weights renormalised or not (Mixtral yes, Qwen3-MoE as norm_topk_prob says), plus
+    # n_shared_experts experts every token passes through.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_dim: int | None = None
+    n_shared_experts: int = 0
+    router_score: str = "softmax"  # | "sigmoid"
+    router_renorm: bool = True
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
+        if self.moe_ffn_dim is None:
+            self.moe_ffn_dim = self.ffn_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,13 +95,28 @@ class LlamaConfig:
     def layer_matmul_params(self) -> int:
         """Weights of one decoder layer's matmuls (q, k, v, o, gate, up, down): its FLOPs per token / 2."""
         hd = self.head_dim
-        return self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
+        return self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.active_ffn_dim()
+
+    def active_ffn_dim(self) -> int:
+        """The MLP hidden width one token computes: ffn_dim, or for MoE its k routed and the
+        shared experts' widths together (the router's dim x n_experts is left out: it is small)."""
+        if not self.n_experts:
+            return self.ffn_dim
+        return (self.experts_per_token + self.n_shared_experts) * self.moe_ffn_dim
+
+    def moe_params(self) -> int:
+        """Parameters of one layer's experts and router beyond `layer_matmul_params` (0 if dense):
+        the experts no token of the layer's average computes, i.e. total - active."""
+        if not self.n_experts:
+            return 0
+        return 3 * self.dim * self.moe_ffn_dim * (self.n_experts - self.experts_per_token) + self.dim * self.n_experts
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer: the matmuls, the q/k/v biases and the norms."""
         bias = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.qk_norm else 0
-        return self.layer_matmul_params() + bias + qk_norm + (4 if self.sandwich_norm else 2) * self.dim
+        norms = (4 if self.sandwich_norm else 2) * self.dim
+        return self.layer_matmul_params() + self.moe_params() + bias + qk_norm + norms
 
     def num_params(self) -> int:
         """Parameter count, computed from the sizes alone (no model is built)."""
@@ -98,11 +126,12 @@ class LlamaConfig:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        hidden = hidden or cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
 
         self.act = F.silu if cfg.mlp_act == "silu" else functools.partial(F.gelu, approximate="tanh")
 
@@ -122,7 +151,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, cfg.sliding(layer_id))
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg)
         self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
 
@@ -228,7 +257,7 @@ class Transformer(nn.Module):
             elif name.endswith(".bias"):
                 full = torch.zeros(p.shape)
             else:
-                std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = out_std if name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")) else 0.02
                 g = torch.Generator().manual_seed(_name_seed(seed, name))
                 full = torch.empty(p.shape).normal_(0.0, std, generator=g).clamp_(-3 * std, 3 * std)
             assign_full_tensor(p, full)

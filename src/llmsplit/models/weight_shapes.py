@@ -41,11 +41,24 @@ def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:
         if cfg.qk_norm:
             yield f"layers.{i}.attention.q_norm.weight", (cfg.head_dim,)
             yield f"layers.{i}.attention.k_norm.weight", (cfg.head_dim,)
-        yield f"layers.{i}.feed_forward.w1.weight", (cfg.ffn_dim, cfg.dim)
-        yield f"layers.{i}.feed_forward.w3.weight", (cfg.ffn_dim, cfg.dim)
-        yield f"layers.{i}.feed_forward.w2.weight", (cfg.dim, cfg.ffn_dim)
+        yield from _mlp_shapes(cfg, f"layers.{i}.feed_forward")
     yield "norm.weight", (cfg.dim,)
     yield "output.weight", (cfg.vocab_size, cfg.dim)
+
+
+def _mlp_shapes(cfg: LlamaConfig, prefix: str) -> Iterator[tuple[str, Shape]]:
+    if not cfg.n_experts:
+        yield from ((f"{prefix}.{w}.weight", shape) for w, shape in
+                    (("w1", (cfg.ffn_dim, cfg.dim)), ("w3", (cfg.ffn_dim, cfg.dim)), ("w2", (cfg.dim, cfg.ffn_dim))))
+        return
+    e, f = cfg.n_experts, cfg.moe_ffn_dim
+    yield f"{prefix}.router.weight", (e, cfg.dim)
+    yield from ((f"{prefix}.{w}", (e, *shape)) for w, shape in (("w1", (f, cfg.dim)), ("w3", (f, cfg.dim)),
+                                                               ("w2", (cfg.dim, f))))
+    if cfg.n_shared_experts:
+        s = cfg.n_shared_experts * f
+        yield from ((f"{prefix}.shared.{w}.weight", shape) for w, shape in
+                    (("w1", (s, cfg.dim)), ("w3", (s, cfg.dim)), ("w2", (cfg.dim, s))))
 
 
 def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str | None:
@@ -59,6 +72,12 @@ def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str 
     if cfg.n_kv_heads > cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         return (f"{key('n_heads')} {cfg.n_heads} is not a multiple of {key('n_kv_heads')} {cfg.n_kv_heads} "
                 f"(each key/value head serves a whole group of query heads)")
+    if cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts:
+        return (f"{key('experts_per_token')} is {cfg.experts_per_token}; each token goes to between 1 and "
+                f"{key('n_experts')} {cfg.n_experts} experts")
+    if cfg.n_experts and (cfg.dim % 8 or cfg.moe_ffn_dim % 8):
+        return (f"{key('dim')} {cfg.dim} and {key('moe_ffn_dim')} {cfg.moe_ffn_dim} must be multiples of 8 for "
+                f"mixture-of-experts layers (the grouped matmul's alignment)")
     if cfg.head_dim < 2 or cfg.head_dim % 2:
         return (f"{key('head_dim')} is {cfg.head_dim} ({key('dim')} {cfg.dim} / {key('n_heads')} {cfg.n_heads} "
                 f"unless set); rotary embeddings need an even head size of at least 2")

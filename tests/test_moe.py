@@ -1,0 +1,125 @@
+"""Mixture-of-experts layers (models/moe.py): the grouped, dropless computation against a
+per-expert reference, Mixtral and Qwen3-MoE folders against transformers, and MoE models
+split into pipeline stages, fine-tuned data-parallel and exported back."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmsplit.config import ConfigError
+from llmsplit.layout import Layout, check
+from llmsplit.models.llama import LlamaConfig
+from llmsplit.models.moe import MoE
+from llmsplit.models.presets import preset_config
+
+
+def _reference(moe: MoE, x: torch.Tensor, renorm: bool) -> torch.Tensor:
+    """Each token through its top-k experts one at a time, as the papers write it."""
+    scores = moe.router(x).float().softmax(-1)
+    w, idx = scores.topk(moe.k)
+    w = w / w.sum(-1, keepdim=True) if renorm else w
+    out = moe.shared(x) if moe.shared is not None else torch.zeros_like(x)
+    rows = []
+    for t in range(x.shape[0]):
+        y = out[t]
+        for j in range(moe.k):
+            e = idx[t, j]
+            y = y + w[t, j] * (F.silu(x[t] @ moe.w1[e].T) * (x[t] @ moe.w3[e].T)) @ moe.w2[e].T
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("shared,renorm", [(0, True), (1, False)])
+def test_grouped_experts_equal_one_token_at_a_time(shared, renorm):
+    cfg = LlamaConfig(dim=32, n_heads=4, ffn_dim=48, n_experts=4, experts_per_token=2, n_shared_experts=shared,
+                      router_renorm=renorm)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    got = moe(x)
+    want = _reference(moe, x.reshape(-1, 32), renorm).view_as(got)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got.pow(2).sum(), [x, moe.w1, moe.w2])
+    for g, h in zip(grads, torch.autograd.grad(want.pow(2).sum(), [x, moe.w1, moe.w2])):
+        torch.testing.assert_close(g, h, atol=1e-4, rtol=1e-4)
+    counts = moe.tokens_per_expert
+    assert counts.sum() == 14 * 2 and counts.shape == (4,)  # dropless: every token reached its 2 experts
+    scores = moe.router(x.reshape(-1, 32)).softmax(-1)
+    assert torch.isclose(moe.aux_loss, 4 * (counts / 28 * scores.mean(0)).sum())
+
+
+def test_moe_configs_refused_in_one_sentence():
+    with pytest.raises(ConfigError, match="model.experts_per_token is 5; each token goes to between 1 and "
+                                          "model.n_experts 4 experts"):
+        check(preset_config("tiny-moe", experts_per_token=5), Layout())
+    with pytest.raises(ConfigError, match="parallel.tp=2 does not split mixture-of-experts layers"):
+        check(preset_config("tiny-moe"), Layout(tp=2))
+    cfg = preset_config("tiny-moe")
+    assert cfg.num_params() == sum(p.numel() for p in __import__("llmsplit").models.Transformer(cfg).parameters())
+
+
+transformers = pytest.importorskip("transformers")
+
+import llmsplit  # noqa: E402
+from helpers import assert_close_losses, losses, run_cli, train  # noqa: E402
+from hf_models import hf_model, make_hf_folder, transformers_loss  # noqa: E402
+from llmsplit.infer.engine import SamplingParams  # noqa: E402
+
+MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 24,
+                     "norm_topk_prob": False}}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def family(request, tmp_path_factory):
+    arch = request.param
+    return arch, make_hf_folder(tmp_path_factory.mktemp(arch) / arch, arch=arch, num_hidden_layers=2, **MOE[arch])
+
+
+def _greedy(m, prompt, n=8):
+    seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
+    m.engine.generate([seq])
+    return seq.tokens
+
+
+def test_moe_folders_match_transformers(family):
+    arch, folder = family
+    ref, m = hf_model(folder), llmsplit.load(folder)
+    assert (m.config.family, m.config.n_experts, m.config.experts_per_token, m.config.router_renorm) == (
+        arch, 4, 2, arch == "mixtral")
+    ids = torch.randint(2, m.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
+        want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
+    assert _greedy(m, ids[0].tolist()) == want.tolist()
+
+
+@pytest.mark.slow
+def test_moe_pipeline_data_parallel_and_export(family, tmp_path):
+    arch, folder = family
+    if arch != "mixtral":
+        pytest.skip("one MoE family is enough for the layouts; both load and export alike")
+    whole = llmsplit.load(folder, device_map="cpu")
+    ids = torch.randint(2, whole.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    split = llmsplit.load(folder, pp=2)
+    try:
+        torch.testing.assert_close(split.logits(ids), whole.logits(ids), atol=1e-5, rtol=0)
+    finally:
+        split.close()
+    sets = [f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=2",
+            "train.warmup_steps=1", "train.lr=3e-3"]
+    train(tmp_path / "one", *sets)
+    train(tmp_path / "dp", *sets, "parallel.zero=1", nproc=2)
+    one = losses(tmp_path / "one")
+    assert abs(one[0] - transformers_loss(folder)) <= 1e-5 * one[0] and one[1] < one[0]
+    assert_close_losses(losses(tmp_path / "dp"), one)
+    out = tmp_path / "hf"
+    run_cli("export", "--checkpoint", str(tmp_path / "dp"), "--to", "hf", str(out))
+    assert json.loads((out / "config.json").read_text())["num_local_experts"] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(out)(ids).logits, llmsplit.load(tmp_path / "dp").logits(ids),
+                                   atol=1e-5, rtol=0)
