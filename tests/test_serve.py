@@ -178,6 +178,13 @@ def test_many_concurrent_clients_each_get_every_token(server):
     assert after["requests_finished_total"] - before["requests_finished_total"] == n
     assert after["generated_tokens_total"] - before["generated_tokens_total"] == n * max_tokens
     assert after["generated_tokens_per_second"] > 0
+    # Latency histograms (prometheus_client): one first token per sequence, the rest between tokens.
+    count = lambda m, name: m.get(f"{name}_count", 0)  # noqa: E731
+    assert count(after, "time_to_first_token_seconds") - count(before, "time_to_first_token_seconds") == n
+    assert count(after, "inter_token_latency_seconds") - count(before, "inter_token_latency_seconds") == \
+        n * (max_tokens - 1)
+    assert after['time_to_first_token_seconds_bucket{le="+Inf"}'] == count(after, "time_to_first_token_seconds")
+    assert httpx.get(f"{server}/metrics", timeout=10).headers["content-type"].startswith("text/plain; version=")
 
 
 CHAT = "/v1/chat/completions"

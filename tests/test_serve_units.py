@@ -216,7 +216,7 @@ def test_an_unexpected_error_is_a_500_counted_in_metrics(model, monkeypatch):
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "tokenizer broke" in r.json()["error"]["message"]
-        assert 'llmsplit_http_responses_total{status="500"} 1\n' in c.get("/metrics").text
+        assert 'llmsplit_http_responses_total{status="500"} 1.0\n' in c.get("/metrics").text
         assert c.get("/health").json()["status"] == "ok"
 
 

@@ -13,6 +13,7 @@ or tensor/pipeline-parallel workers).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "abort"
     on_text: Callable[[str], None] | None = None  # receives text once it can no longer change
     detok: object = None  # the tokenizer's incremental decoder (`stream()`): text one token at a time
+    last_token_at: float = field(default_factory=time.monotonic)  # creation, then each token's time
+    first_token: bool = True
 
     @property
     def length(self) -> int:
@@ -94,6 +97,8 @@ class Engine:
         self._reserved: dict[int, int] = {}  # sequence id -> blocks promised to its worst case
         self.prompt_tokens = 0  # totals since start, for the server's metrics
         self.sampled_tokens = 0
+        # Called with (first token?, seconds since the sequence's creation or its last token).
+        self.on_latency: Callable[[bool, float], None] | None = None
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the prompt through the model once, filling its KV cache; logits [vocab] of the
@@ -197,6 +202,10 @@ class Engine:
         p = seq.params
         nxt = sample(logits, p, seq.generator)
         self.sampled_tokens += 1
+        now = time.monotonic()
+        if self.on_latency is not None:
+            self.on_latency(seq.first_token, now - seq.last_token_at)
+        seq.first_token, seq.last_token_at = False, now
         if nxt in self.eos_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
             seq.text = self.tokenizer.decode(seq.tokens)  # with what the decoder still held back

@@ -29,13 +29,14 @@ from functools import partial
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
 from .edge import Gate, TimedH11Protocol
 from .engine import SamplingParams
+from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .scheduler import QueueFull, Request as Work, Scheduler
 from .time_limit import OffLoop, TimeLimitExceeded
@@ -71,6 +72,8 @@ class Server:
         self.scheduler = Scheduler(self.engine, max_queue)
         self.off_loop = OffLoop(request_timeout)
         self.statuses: dict[int, int] = {}
+        self.prometheus = ServeMetrics(self)
+        self.engine.on_latency = self.prometheus.observe  # time to first token, between tokens
         self.created = int(time.time())
         self.app = self._app(api_key, max_body, request_timeout)
 
@@ -106,32 +109,7 @@ class Server:
         return {"status": "ok", "model": self.name, **self.scheduler.counts()}
 
     async def metrics(self):
-        c = self.scheduler.counts()
-        lines = []
-
-        def metric(name, kind, help_text, value, labels=""):
-            if not any(line.startswith(f"# TYPE llmsplit_{name} ") for line in lines):
-                lines.extend([f"# HELP llmsplit_{name} {help_text}", f"# TYPE llmsplit_{name} {kind}"])
-            lines.append(f"llmsplit_{name}{labels} {value}")
-
-        for status, n in sorted(self.statuses.items()):
-            metric("http_responses_total", "counter", "HTTP responses sent, by status code.", n, f'{{status="{status}"}}')
-        metric("requests_finished_total", "counter", "Generation requests answered in full.",
-               self.scheduler.finished_requests)
-        metric("requests_failed_total", "counter", "Generation requests failed by the engine or shutdown.",
-               self.scheduler.failed_requests)
-        metric("requests_preparing", "gauge", "Requests in their chat template or tokenizer (worker threads).",
-               self.off_loop.active)
-        metric("requests_running", "gauge", "Sequences in the running batch.", c["running"])
-        metric("requests_waiting", "gauge", "Sequences accepted and waiting for a batch slot (queue length).",
-               c["waiting"])
-        metric("kv_blocks_used", "gauge", "KV-cache blocks held by sequences.", c["kv_blocks_used"])
-        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool.", c["kv_blocks_total"])
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.engine.prompt_tokens)
-        metric("generated_tokens_total", "counter", "Tokens sampled.", self.engine.sampled_tokens)
-        metric("generated_tokens_per_second", "gauge", "Tokens sampled per second over the last 10 s.",
-               f"{self.scheduler.tokens_per_s():.3f}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(self.prometheus.render(), media_type=PROMETHEUS_TEXT)
 
     async def list_models(self):
         return {"object": "list", "data": [self._model_card()]}

@@ -1,0 +1,69 @@
+"""The server's `/metrics`, in Prometheus' text format through `prometheus_client`.
+
+Counts and gauges are read from the server, scheduler and engine when Prometheus scrapes
+(a custom collector: nothing to keep in step), and the latencies are histograms the engine
+feeds as tokens come out: time to first token (from the moment the sequence is created,
+after its prompt is tokenized, to its first sampled token, queueing included) and the time
+between consecutive tokens of a sequence. Each server has its own registry, so several in
+one process (the tests) never share a metric.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Seconds: from a few milliseconds (a small model's decode step) to a minute in the queue.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    def __init__(self, server):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("llmsplit_time_to_first_token_seconds",
+                              "From a sequence's creation (prompt tokenized) to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("llmsplit_inter_token_latency_seconds",
+                             "Between consecutive tokens of one sequence.", buckets=LATENCY_BUCKETS,
+                             registry=self.registry)
+        self.registry.register(_Live(server))
+
+    def observe(self, first: bool, seconds: float) -> None:
+        """The engine's latency hook (scheduler thread): a first token, or the next one."""
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live:
+    """What the server, its scheduler and engine count right now."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        s = self.server
+        c = s.scheduler.counts()
+        statuses = CounterMetricFamily("llmsplit_http_responses", "HTTP responses sent, by status code.",
+                                       labels=["status"])
+        for status, n in sorted(s.statuses.items()):
+            statuses.add_metric([str(status)], n)
+        yield statuses
+        yield CounterMetricFamily("llmsplit_requests_finished", "Generation requests answered in full.",
+                                  value=s.scheduler.finished_requests)
+        yield CounterMetricFamily("llmsplit_requests_failed", "Generation requests failed by the engine or shutdown.",
+                                  value=s.scheduler.failed_requests)
+        gauges = [("requests_preparing", "Requests in their chat template or tokenizer (worker threads).",
+                   s.off_loop.active),
+                  ("requests_running", "Sequences in the running batch.", c["running"]),
+                  ("requests_waiting", "Sequences accepted and waiting for a batch slot (queue length).", c["waiting"]),
+                  ("kv_blocks_used", "KV-cache blocks held by sequences.", c["kv_blocks_used"]),
+                  ("kv_blocks_total", "KV-cache blocks in the pool.", c["kv_blocks_total"]),
+                  ("generated_tokens_per_second", "Tokens sampled per second over the last 10 s.",
+                   s.scheduler.tokens_per_s())]
+        for name, help_text, value in gauges:
+            yield GaugeMetricFamily(f"llmsplit_{name}", help_text, value=value)
+        yield CounterMetricFamily("llmsplit_prompt_tokens", "Prompt tokens prefilled.", value=s.engine.prompt_tokens)
+        yield CounterMetricFamily("llmsplit_generated_tokens", "Tokens sampled.", value=s.engine.sampled_tokens)
