@@ -123,3 +123,23 @@ def test_moe_pipeline_data_parallel_and_export(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf_model(out)(ids).logits, llmsplit.load(tmp_path / "dp").logits(ids),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_aux_loss_and_tokens_per_expert_are_the_same_whatever_the_layout(tmp_path):
+    sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=3",
+            "train.moe_aux_loss=0.5"]
+    train(tmp_path / "one", *sets)
+    train(tmp_path / "dp", *sets, "parallel.zero=1", "memory.activation_checkpoint=full", nproc=2)
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("one", "dp")}
+    assert_close_losses(losses(tmp_path / "dp"), losses(tmp_path / "one"))
+    for a, b in zip(rows["one"], rows["dp"]):
+        # Every token of the step reached 2 experts in each layer, once (recomputation not counted).
+        assert a["tokens_per_expert"] == b["tokens_per_expert"] and all(sum(layer) == 8 * 32 * 2
+                                                                        for layer in a["tokens_per_expert"])
+        assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"]
+    assert rows["one"][0]["moe_aux_loss"] > 2 * 0.99  # two layers, each at least 1 (1 = perfectly balanced)
+    proc = run_cli("train", "--run-dir", str(tmp_path / "pp"), "--nproc", "2", *[a for s in sets for a in ("--set", s)],
+                   "--set", "parallel.pp=2", check=False)
+    assert proc.returncode == 2 and "train.moe_aux_loss with parallel.pp > 1" in proc.stderr

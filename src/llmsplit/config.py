@@ -50,6 +50,7 @@ class TrainSection:
     log_every: int = 1
     eval_every: int = 0  # steps between evaluations on the held-out data (0 = never)
     compile: bool = False
+    moe_aux_loss: float = 0.0  # times the MoE layers' load-balancing loss, added to the loss (Mixtral: 0.02)
     timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
     profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
     # Set by `--auto` on a GPU or with memory.limit_bytes: try micro-batches from the planner's
@@ -247,7 +248,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
                      ("train.warmup_steps", 0), ("train.weight_decay", 0), ("train.grad_clip", 0),
                      ("train.log_every", 1), ("train.seed", 0), ("data.seq_len", 2), ("checkpoint.every", 0),
                      ("checkpoint.keep", 1), ("train.profile_steps", 0), ("parallel.dp_replicate", 1),
-                     ("parallel.pp_virtual_stages", 1)):
+                     ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0)):
         _at_least(cfg, key, low)
     if mem.limit_bytes is not None:
         _at_least(cfg, "memory.limit_bytes", 1)
@@ -257,6 +258,9 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
+    if t.moe_aux_loss and cfg.parallel.pp > 1:
+        raise ConfigError("train.moe_aux_loss with parallel.pp > 1 is not available yet (the pipeline's loss sees "
+                          "only its last stage); set train.moe_aux_loss=0 or parallel.pp=1")
     check_data(cfg.data, t.eval_every)
     check_lora(cfg.lora)
     resolve_world(cfg, world_size)

@@ -39,6 +39,7 @@ from .hangs import HangReporter
 from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
+from .moe_stats import ExpertStats
 from .profile import StepProfiler
 from .profile import report as profile_report
 from .resume_check import run_inputs
@@ -135,6 +136,7 @@ class Trainer:
             self.pipeline_times = PipelineTimes(self.pm.schedule)
         self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every) if self.rank0 else None
         self.held = None  # this rank's parameter, gradient and optimizer bytes, taken at the last step
+        self.experts = ExpertStats(self.pm.model, self.model_cfg.n_layers, self.model_cfg.n_experts, device)
 
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
@@ -178,7 +180,15 @@ class Trainer:
             with pm.micro_batch_context(last=i == n_micro - 1):
                 with pm.forward_context():
                     logits = self.forward(mb)
-                loss_sum += pm.backward(self.loss(logits, mb.targets))
+                loss, aux, coef = self.loss(logits, mb.targets), self.experts.take_aux(), self.cfg.train.moe_aux_loss
+                if aux is None or not coef:
+                    loss_sum += pm.backward(loss)
+                    continue
+                # The mean over the rank's micro-batches, which data parallel then averages like the
+                # loss; logged apart, so "loss" stays the cross-entropy every layout logs alike.
+                pm.backward(loss + coef * aux / n_micro)
+                loss_sum += loss.detach()
+                self.experts.aux_sum += aux.detach() / n_micro
         return loss_sum
 
     def train_step(self, step: int) -> dict:
@@ -200,7 +210,8 @@ class Trainer:
         loss = pm.global_loss(loss_sum)
         step_time = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_time, "step_time_s": step_time}
+                "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_time, "step_time_s": step_time,
+                **self.experts.step_record(self.dp_size)}
 
     def train(self) -> dict | None:
         """The run from its first step to the last; rank 0 returns the summary."""
