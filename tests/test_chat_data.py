@@ -160,10 +160,10 @@ def test_packed_rows_compute_what_the_documents_compute_alone():
     mask = (torch.rand(len(tokens), generator=g) < 0.6).numpy().astype(np.uint8)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     sampler = PackedSampler(Documents(tokens, mask, offsets), seq_len=47, global_batch=2, seed=0)
-    assert sampler.truncated == 0 and sampler.n_windows == 4  # 9+30 | 4+17 | 40 | 12+25+3 (next fit)
+    assert sampler.truncated == 0 and sampler.n_windows == 3  # 40+4+3 | 30+17 | 25+12+9 (best fit, longest first)
     batch = sampler.rows(list(range(sampler.n_windows)))
-    assert batch.positions[0, :9].tolist() == list(range(9)) and batch.positions[0, 9] == 0
-    assert batch.targets[0, 8] == IGNORE  # the last token of a document does not predict the next one
+    assert batch.positions[0, :40].tolist() == list(range(40)) and batch.positions[0, 40] == 0
+    assert batch.targets[0, 39] == IGNORE  # the last token of a document does not predict the next one
     assert batch.loss_tokens() == sum(int(mask[a + 1:b].sum()) for a, b in zip(offsets[:-1], offsets[1:]))
     assert sampler.loss_tokens(0) == sum(sampler.row_loss[sampler.window_ids(0)])
 

@@ -1,10 +1,13 @@
-"""Packing: whole documents (conversations) laid one after another into rows of seq_len + 1
-tokens, so that no row is mostly padding however much their lengths vary.
+"""Packing: whole documents (conversations) laid into rows of seq_len + 1 tokens, so that no row
+is mostly padding however much their lengths vary.
 
-Documents go into rows in their order, a new row starting when the next document does not fit
-("next fit", as torchtune's PackedDataset): order is kept, so the rows are the same for every
-layout, and the sampler shuffles rows as it does for text. The rest of a row is padding, which
-carries no loss. A document longer than a row is cut to it (counted in `truncated`).
+Rows are filled best-fit decreasing: documents longest first (ties in their order), each into
+the row with the least room that still holds it (the first such row). For lengths spread 10x that leaves a few percent of padding
+where laying them in order and starting a row when the next does not fit (torchtune's
+PackedDataset) left a quarter (benchmarks/packing.py). It depends on the data alone, so the
+rows are the same for every layout, and the sampler shuffles rows as it does for text. The rest
+of a row is padding, which carries no loss. A document longer than a row is cut to it (counted
+in `truncated`).
 
 Each row carries the position of every token within its document; the model restarts rotary
 positions there and never lets attention cross from one document into another, so a packed
@@ -13,6 +16,8 @@ the next document's first, and a document's first token is never a target.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import torch
@@ -29,14 +34,15 @@ class PackedSampler(BatchSampler):
         self.starts = np.asarray(docs.offsets[:-1], dtype=np.int64)
         self.lengths = np.minimum(np.diff(np.asarray(docs.offsets, dtype=np.int64)), row)
         self.truncated = int((np.diff(np.asarray(docs.offsets)) > row).sum())
-        self.first_doc = _next_fit(self.lengths, row)  # row r holds documents first_doc[r] .. first_doc[r+1]-1
+        # Row r holds documents order[first[r]:first[r + 1]].
+        self.order, self.first = _best_fit_decreasing(self.lengths, row)
         self.row_loss = self._row_loss()
         super().__init__(docs.tokens, seq_len, global_batch, seed)
 
     def _count_rows(self) -> int:
-        if len(self.first_doc) < 2:
+        if len(self.first) < 2:
             raise ConfigError("the training data holds no document with tokens; add data")
-        return len(self.first_doc) - 1
+        return len(self.first) - 1
 
     def _row_loss(self) -> np.ndarray:
         """Tokens that carry loss in each row: targets 1 .. length-1 of each of its documents."""
@@ -47,7 +53,7 @@ class PackedSampler(BatchSampler):
             cum = np.concatenate([[0], np.cumsum(np.asarray(mask, dtype=np.int64))])
             ends = self.starts + self.lengths
             per_doc = np.where(self.lengths > 1, cum[ends] - cum[np.minimum(self.starts + 1, ends)], 0)
-        return np.add.reduceat(per_doc, self.first_doc[:-1]) if len(per_doc) else np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(per_doc[self.order], self.first[:-1])
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens [seq_len + 1], targets [seq_len], positions [seq_len]) of row `r`."""
@@ -56,7 +62,7 @@ class PackedSampler(BatchSampler):
         loss = np.zeros(size, dtype=bool)
         positions = np.zeros(size, dtype=np.int64)
         at = 0
-        for d in range(self.first_doc[r], self.first_doc[r + 1]):
+        for d in self.order[self.first[r]:self.first[r + 1]]:
             a, n = self.starts[d], self.lengths[d]
             tokens[at:at + n] = self.docs.tokens[a:a + n]
             loss[at + 1:at + n] = True if self.docs.mask is None else self.docs.mask[a + 1:a + n] != 0
@@ -84,14 +90,22 @@ class PackedSampler(BatchSampler):
         return 1.0 - float(self.lengths.sum()) / (self.n_windows * (self.seq_len + 1))
 
 
-def _next_fit(lengths: np.ndarray, row: int) -> np.ndarray:
-    """Index of the first document of each row, then the number of documents."""
-    firsts, fill = [], row
-    for d, n in enumerate(lengths):
-        if n == 0:
-            continue
-        if fill + n > row:
-            firsts.append(d)
-            fill = 0
-        fill += n
-    return np.asarray(firsts + [len(lengths)], dtype=np.int64)
+def _best_fit_decreasing(lengths: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(documents in row order, index in it of each row's first document, then their number).
+    Rows are found by their free space (a heap of row indices per amount), so placing a document
+    costs at most `row` look-ups, not one per row; empty documents are left out."""
+    by_free: list[list[int]] = [[] for _ in range(row + 1)]
+    rows: list[list[int]] = []
+    for d in sorted(np.flatnonzero(lengths), key=lambda d: (-int(lengths[d]), int(d))):
+        n = int(lengths[d])
+        free = next((f for f in range(n, row + 1) if by_free[f]), None)
+        if free is None:
+            r, free = len(rows), row
+            rows.append([])
+        else:
+            r = heapq.heappop(by_free[free])  # the first row (lowest index) with exactly this much room
+        rows[r].append(int(d))
+        heapq.heappush(by_free[free - n], r)
+    order = np.asarray([d for r in rows for d in r], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    return order, first
