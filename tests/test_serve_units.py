@@ -12,6 +12,7 @@ pytest.importorskip("jinja2")
 
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
+from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 from llmsplit.infer.scheduler import QueueFull, Request, Scheduler  # noqa: E402
@@ -256,3 +257,20 @@ def test_incremental_detokenization_equals_decoding_everything(model):
     seq2 = model.engine.new_sequence(model.tokenizer.encode("The def"), SamplingParams(40, ignore_eos=True, stop=[stop]))
     model.engine.generate([seq2])
     assert seq2.finish_reason == "stop" and seq2.text == seq.text[:seq.text.index(stop)]
+
+
+def test_blocks_on_demand_preempt_the_newest_and_every_sequence_finishes(folder):
+    """A KV pool of 4 blocks (64 tokens) for 4 sequences that each reach 40 tokens: blocks are
+    taken as tokens arrive, the newest sequence is preempted when they run out and recomputed
+    later (issue 19); every sequence gets the tokens it gets alone, and all blocks come back."""
+    small = llmsplit.load(folder, max_batch=4, max_context=64, kv_tokens=64)
+    prompts = ["The def statement", "A class is", "import os and sys", "for x in range"]
+    params = SamplingParams(30, ignore_eos=True)
+    seqs = [small.engine.new_sequence(small.tokenizer.encode(p), params) for p in prompts]
+    small.engine.generate(seqs)
+    assert small.engine.preemptions > 0 and small.engine.recomputed_tokens > 0
+    assert small.engine.pool.free_blocks == small.engine.pool.num_blocks == 4
+    assert [s.tokens for s in seqs] == [alone(small, p, 30) for p in prompts]
+    # The pool holds at least one full context, so a request that fits the context fits the pool.
+    with pytest.raises(ConfigError, match="kv_tokens 32 holds less than one sequence"):
+        llmsplit.load(folder, max_context=64, kv_tokens=32)

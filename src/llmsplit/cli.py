@@ -166,7 +166,7 @@ def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16)
     report = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
                                    offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
                                    max_context=args.max_context, max_batch_flag=serving,
-                                   min_context=min_context)
+                                   min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None))
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
     print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1
@@ -200,7 +200,7 @@ def cmd_serve(args) -> int:
         serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
               drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
-              **_placement_kwargs(args))
+              kv_tokens=args.kv_tokens, **_placement_kwargs(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:

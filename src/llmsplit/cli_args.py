@@ -137,8 +137,10 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
                    "file name)")
-    p.add_argument("--max-batch", type=COUNT, default=8, metavar="N", help="sequences decoded together (default 8); "
-                   "the KV cache holds N full contexts")
+    p.add_argument("--max-batch", type=COUNT, default=8, metavar="N", help="sequences decoded together (default 8)")
+    p.add_argument("--kv-tokens", type=COUNT, default=None, metavar="N",
+                   help="tokens the KV cache holds, shared by all sequences (default max-batch full contexts); "
+                        "blocks are taken as tokens arrive and the newest sequence is preempted when it runs out")
     p.add_argument("--max-queue", type=number(int, at_least=0), default=64, metavar="N",
                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
     p.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")

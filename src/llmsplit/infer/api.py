@@ -65,9 +65,13 @@ class LoadedModel:
         self._finalizer()
 
 
-def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16):
+def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16,
+              kv_tokens: int | None = None):
     """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
-    out-of-memory explainer (`diagnose/oom.py`) explains with."""
+    out-of-memory explainer (`diagnose/oom.py`) explains with. `kv_tokens`: the KV pool all
+    sequences share (default max_batch full contexts); blocks are taken as tokens arrive and
+    the engine preempts when it runs out, so a pool smaller than max_batch × max_context
+    serves max_batch sequences as long as they are shorter on average."""
     from ..models.rope import dynamic_rope_limit
 
     # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
@@ -76,9 +80,12 @@ def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size
     if max_batch < 1 or max_context < 2 or block_size < 1:
         raise ConfigError(f"max_batch {max_batch}, max_context {max_context} and block_size {block_size} "
                           f"must be positive (max_context at least 2)")
+    if kv_tokens is not None and kv_tokens < max_context:
+        raise ConfigError(f"kv_tokens {kv_tokens} holds less than one sequence of max_context {max_context} "
+                          f"tokens; raise --kv-tokens or lower --max-context")
     dtype = _dtype(dtype, source.dtype if torch.cuda.is_available() else torch.float32)
     return dtype, Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize,
-                        kv_dtype_bytes=dtype.itemsize)
+                        kv_dtype_bytes=dtype.itemsize, kv_tokens=kv_tokens)
 
 
 def generation_context(prompt_tokens: int, max_new_tokens: int, block_size: int = 16) -> int:
@@ -96,7 +103,7 @@ def placement_mode(device_map):
 
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
-         quantize: str | None = None, source=None) -> LoadedModel:
+         quantize: str | None = None, kv_tokens: int | None = None, source=None) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
@@ -104,10 +111,10 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     source = source if source is not None else open_weights(path, what="model path")
     quantize = _quantize_mode(quantize, compile)
     cfg = source.config
-    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size)
+    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens)
     max_context = sizes.context
-    # The pool holds max_batch full contexts, which is what placement budgeted for.
-    num_blocks = max_batch * -(-max_context // block_size)
+    # The pool placement budgeted for: kv_tokens, or max_batch full contexts.
+    num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-max_context // block_size)
     if tp > 1 or pp > 1:
         layout = split_layout(cfg, tp, pp)
         if max_memory or offload_dir or device_map not in (None, "auto"):

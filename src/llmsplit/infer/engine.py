@@ -1,11 +1,12 @@
 """Generation: prefill and decode steps over a paged KV cache, several sequences at once.
 
 The engine runs in the driving process (rank 0 when the model is split over workers). It
-keeps the block pool and two queues: `waiting` sequences are admitted while their worst
-case (prompt + max new tokens) fits in the blocks not yet promised to others, each admitted
+keeps the block pool and two queues: `waiting` sequences are admitted while the blocks for
+their prompt are free (blocks are then taken one at a time as tokens arrive), each admitted
 prompt is prefilled on its own (no padding), then every `running` sequence decodes one token
-in the same step; a sequence leaves on EOS, a stop string or its token limit and returns its
-blocks at once. `step()` is one such round, so a caller can add sequences between rounds
+in the same step. When the pool runs out, the newest sequence is preempted (its blocks freed,
+its cache recomputed once blocks free up) rather than any request failing. A sequence leaves
+on EOS, a stop string or its token limit and returns its blocks at once. `step()` is one such round, so a caller can add sequences between rounds
 (continuous batching, as the server's scheduler does) or run them all to the end
 (`generate`). The runner it drives hides where the model lives (one process with offload,
 or tensor/pipeline-parallel workers).
@@ -59,6 +60,7 @@ class Sequence:
     detok: object = None  # the tokenizer's incremental decoder (`stream()`): text one token at a time
     last_token_at: float = field(default_factory=time.monotonic)  # creation, then each token's time
     first_token: bool = True
+    preemptions: int = 0  # times its blocks were taken back (it was then recomputed)
 
     @property
     def length(self) -> int:
@@ -94,7 +96,8 @@ class Engine:
         self._next_id = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._reserved: dict[int, int] = {}  # sequence id -> blocks promised to its worst case
+        self.preemptions = 0  # sequences preempted for want of KV blocks (since start)
+        self.recomputed_tokens = 0  # what refilling their caches cost
         self.prompt_tokens = 0  # totals since start, for the server's metrics
         self.sampled_tokens = 0
         # Called with (first token?, seconds since the sequence's creation or its last token).
@@ -154,25 +157,60 @@ class Engine:
         """Admit what fits, prefill it, decode one token for every running sequence; returns
         the sequences that finished in this step (their blocks are already free)."""
         finished = []
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            need = self.pool.blocks_for(self._budget(seq))
-            if need > self.pool.num_blocks - sum(self._reserved.values()):
-                break  # wait until a running sequence returns its blocks
-            self.waiting.popleft()
-            self._reserved[seq.id] = need
-            self.running.append(seq)
-            self._advance(seq, self.prefill(seq))
-        decoding = [s for s in self.running if s.finish_reason is None]
+        self._admit()
+        self._collect(finished)  # a first token may already end a sequence (EOS): its blocks go back now
+        decoding = self._make_room()
         if decoding:
             logits = self.decode_step(decoding)
             for row, seq in enumerate(decoding):
                 self._advance(seq, logits[row])
+        self._collect(finished)
+        return finished
+
+    def _admit(self) -> None:
+        """Blocks are taken as tokens arrive (as in vLLM): a sequence is admitted once the
+        blocks for its prompt, and for what it had generated if it was preempted, are free,
+        with one block to spare so that the batch can take its next tokens."""
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.pool.blocks_for(seq.length) + 1 > self.pool.free_blocks and self.running:
+                break  # wait until a running sequence returns its blocks
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.tokens:
+                self._recompute(seq)
+            else:
+                self._advance(seq, self.prefill(seq))
+
+    def _make_room(self) -> list[Sequence]:
+        """The running sequences that decode this step. When the pool has too few free blocks
+        for the batch's next tokens, the newest sequence is preempted: its blocks are freed
+        and it goes back to the head of the queue, to be recomputed when blocks free up (no
+        request fails for want of blocks, and the oldest keep going)."""
+        decoding = [s for s in self.running if s.finish_reason is None]
+        bs = self.pool.block_size
+        while len(decoding) > 1 and sum(self.pool.lengths[s.id] % bs == 0 for s in decoding) > self.pool.free_blocks:
+            victim = decoding.pop()
+            self.pool.free(victim.id)
+            self.running.remove(victim)
+            self.waiting.appendleft(victim)
+            victim.preemptions += 1
+            self.preemptions += 1
+        return decoding
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Refill a preempted sequence's KV cache: its prompt and every token it generated
+        but the newest, which the next decode step feeds as usual."""
+        context = seq.prompt + seq.tokens[:-1]
+        self.pool.append(seq.id, len(context))
+        self.recomputed_tokens += len(context)
+        self.runner.forward(torch.tensor([context]), self.pool.step([seq.id], len(context)), last_only=True)
+
+    def _collect(self, finished: list[Sequence]) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self.running.remove(seq)
             self._release(seq)
             finished.append(seq)
-        return finished
 
     def generate(self, seqs: list[Sequence], on_text=None) -> list[Sequence]:
         """Run every sequence to its end; `on_text(index, piece)` receives text as it is final."""
@@ -196,7 +234,6 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.id)
-        self._reserved.pop(seq.id, None)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params

@@ -67,3 +67,7 @@ class _Live:
             yield GaugeMetricFamily(f"llmsplit_{name}", help_text, value=value)
         yield CounterMetricFamily("llmsplit_prompt_tokens", "Prompt tokens prefilled.", value=s.engine.prompt_tokens)
         yield CounterMetricFamily("llmsplit_generated_tokens", "Tokens sampled.", value=s.engine.sampled_tokens)
+        yield CounterMetricFamily("llmsplit_preemptions", "Sequences preempted for want of KV blocks (recomputed later).",
+                                  value=s.engine.preemptions)
+        yield CounterMetricFamily("llmsplit_recomputed_tokens", "Tokens prefilled again after a preemption.",
+                                  value=s.engine.recomputed_tokens)

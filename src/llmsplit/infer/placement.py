@@ -41,6 +41,11 @@ class Sizes:
     dtype_bytes: int = 4  # weights and activations
     kv_dtype_bytes: int = 4
     reserve: dict = field(default_factory=lambda: dict(DEFAULT_RESERVE))
+    kv_tokens: int | None = None  # the KV pool, shared by all sequences (None: batch full contexts)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.kv_tokens or self.batch * self.context
 
 
 @dataclass
@@ -78,7 +83,7 @@ def units(cfg: LlamaConfig, dtype_bytes: int) -> list[tuple[str, int]]:
 
 
 def kv_bytes_per_layer(cfg: LlamaConfig, s: Sizes) -> int:
-    return 2 * cfg.n_kv_heads * cfg.head_dim * s.kv_dtype_bytes * s.batch * s.context
+    return 2 * cfg.n_kv_heads * cfg.head_dim * s.kv_dtype_bytes * s.pool_tokens
 
 
 def workspace_bytes(cfg: LlamaConfig, s: Sizes, holds_output: bool) -> int:
