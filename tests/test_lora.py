@@ -67,8 +67,10 @@ def reference(tmp_path_factory):
 def test_one_process_holds_gradients_and_state_of_the_adapters_only(reference):
     from llmsplit.io import dcp_files
 
-    (rank0,) = json.loads((reference / "summary.json").read_text())["per_rank"]
+    summary = json.loads((reference / "summary.json").read_text())
+    (rank0,) = summary["per_rank"]
     assert rank0["grad_bytes"] == 4 * ADAPTER_PARAMS and rank0["optim_bytes"] == 8 * ADAPTER_PARAMS
+    assert summary["plan_check"]["ratio_model_state"] == pytest.approx(1.0, abs=1e-3)  # the planner counts them
     saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(reference / "checkpoints" / "step_4"))
     assert len(saved) == 4 * 7 * 2 and all(name.endswith(("lora_a", "lora_b")) for name in saved)
 
@@ -90,6 +92,7 @@ def test_adapters_resume_under_fsdp_and_tensor_parallel(reference, tmp_path):
     train(run, *MP, "parallel.zero=3", "parallel.tp=2", nproc=4,
           extra=("--resume", str(reference / "checkpoints" / "step_2")))
     assert_close_losses(losses(run), losses(reference)[2:])
+    assert json.loads((run / "summary.json").read_text())["plan_check"]["ratio_model_state"] == pytest.approx(1.0, abs=1e-3)
     proc = train(tmp_path / "other", *MP, "lora.rank=8", nproc=1, check=False,
                  extra=("--resume", str(reference / "checkpoints" / "step_2")))
     assert proc.returncode == 2 and "holds LoRA adapters of rank 4" in proc.stderr
@@ -175,3 +178,19 @@ def test_lora_init_continues_from_a_peft_adapter_or_a_run(tmp_path):
     assert_close_losses(losses(tmp_path / "c"), step3)
     proc = train(tmp_path / "d", *sets, "lora.rank=8", f"lora.init={tmp_path / 'adapter'}", nproc=1, check=False)
     assert proc.returncode == 2 and "is an adapter of r=4, lora_alpha=8; set lora.rank" in proc.stderr
+
+
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    from llmsplit.layout import Layout, Workload
+    from llmsplit.models.presets import PRESETS
+    from llmsplit.plan.hardware import get_device
+    from llmsplit.plan.memory import memory_per_device
+
+    cfg, gpu = LlamaConfig(**PRESETS["llama-3-8b"]), get_device("H100-80GB")
+    full = memory_per_device(cfg, Layout(dp=1), Workload(seq_len=2048, global_batch=1), gpu)
+    lora = memory_per_device(cfg, Layout(dp=1), Workload(seq_len=2048, global_batch=1, lora_rank=16), gpu)
+    adapters = 41_943_040  # PEFT's trainable count for r=16 on every linear of Llama-3-8B's 32 layers
+    assert (lora.grads, lora.optimizer) == (4 * adapters, 8 * adapters)
+    assert lora.params == full.params + 4 * adapters
+    tp2 = memory_per_device(cfg, Layout(dp=1, tp=2), Workload(seq_len=2048, global_batch=1, lora_rank=16), gpu)
+    assert adapters // 2 < tp2.grads // 4 < adapters  # B split under column parallel, A under row parallel

@@ -74,6 +74,8 @@ class Workload:
     global_batch: int          # train: sequences per optimizer step; infer: concurrent sequences
     precision: str = "bf16"
     mode: str = "train"
+    lora_rank: int = 0  # train with LoRA adapters of this rank (0: every parameter trains)
+    lora_targets: str = "q,k,v,o,gate,up,down"
 
     @property
     def compute_bytes(self) -> int:

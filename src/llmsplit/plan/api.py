@@ -76,7 +76,7 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
         "hardware": {"gpu": device.name, "count": gpus, "nodes": -(-gpus // per_node), "gpus_per_node": per_node,
                      **{k: v for k, v in device.to_dict().items() if k not in ("name", "gpus_per_node")}},
         "workload": {"mode": work.mode, "seq_len": work.seq_len, "global_batch": work.global_batch,
-                     "precision": work.precision},
+                     "precision": work.precision, "lora_rank": work.lora_rank, "lora_targets": work.lora_targets},
         "considered": len(cands), "fitting": sum(c.fits for c in cands),
         "advice": result["advice"],
         "layouts": [_entry(cfg_model, c) for c in shown],
@@ -111,7 +111,8 @@ def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device
             raise ConfigError(f"{flag} {value} must be at least 1")
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode)
+    lora = {"lora_rank": source.lora.rank, "lora_targets": source.lora.targets} if source and mode == "train" else {}
+    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **lora)
 
 
 def _fixed_layout(layout, gpus: int) -> Layout | None:
@@ -166,7 +167,8 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
     cfg_model, name, source = resolve_model(model, kwargs.get("tokenizer_vocab"))
     lay = Layout(**{k: v for k, v in best["layout"].items()})
     w = report["workload"]
-    work = Workload(seq_len=w["seq_len"], global_batch=w["global_batch"], precision=w["precision"], mode=w["mode"])
+    work = Workload(**{k: w[k] for k in ("seq_len", "global_batch", "precision", "mode", "lora_rank", "lora_targets")
+                       if k in w})
     cfg = layout_config(source, name, cfg_model, lay, work)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -80,6 +80,18 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
             "head": head, "final_norm": cfg.dim if last else 0, "has_head": last}
 
 
+def lora_layer_params(cfg: LlamaConfig, work: Workload, tp: int = 1) -> int:
+    """LoRA parameters of one layer on one tp rank: A [r, in] and B [out, r] per target, split like
+    the layer (adapters/lora.py): column-parallel B by rows, row-parallel A by columns."""
+    r, hd, kv_split = work.lora_rank, cfg.head_dim, tp if cfg.n_kv_heads % tp == 0 else 1
+    shapes = {"q": (cfg.dim, cfg.n_heads * hd, 1, tp), "k": (cfg.dim, cfg.n_kv_heads * hd, 1, kv_split),
+              "v": (cfg.dim, cfg.n_kv_heads * hd, 1, kv_split), "o": (cfg.n_heads * hd, cfg.dim, tp, 1),
+              "gate": (cfg.dim, cfg.ffn_dim, 1, tp), "up": (cfg.dim, cfg.ffn_dim, 1, tp),
+              "down": (cfg.ffn_dim, cfg.dim, tp, 1)}
+    targets = [shapes[t.strip()] for t in work.lora_targets.split(",") if t.strip()] if r else []
+    return sum(r * n_in // a_split + n_out * r // b_split for n_in, n_out, a_split, b_split in targets)
+
+
 def fsdp_root_params(cfg: LlamaConfig, layout: Layout, stage: dict) -> int:
     """FSDP's root unit: what is not inside a block (embedding, final norm, head)."""
     return stage["embedding"] + stage["head"] + stage["final_norm"]
@@ -87,17 +99,19 @@ def fsdp_root_params(cfg: LlamaConfig, layout: Layout, stage: dict) -> int:
 
 # ---------------------------------------------------------------- model states
 
-def model_state_bytes(n_params: int, zero: int, shard: int) -> dict:
+def model_state_bytes(n_params: int, zero: int, shard: int, trained: int | None = None) -> dict:
     """llmsplit's model states per device: fp32 params, fp32 grads, fp32 Adam moments.
 
     zero 1 shards only the optimizer state (DDP + ZeroRedundancyOptimizer);
     zero 2 and 3 (FSDP2) shard all three; what differs between them is what is gathered
-    for compute, counted under communication buffers.
+    for compute, counted under communication buffers. `trained`: the parameters that have
+    gradients and optimizer state (LoRA's adapters), when not all of them.
     """
     n = shard if zero >= 1 else 1
+    trained = n_params if trained is None else trained
     params = FP32 * n_params // (n if zero >= 2 else 1)
-    grads = FP32 * n_params // (n if zero >= 2 else 1)
-    optimizer = 2 * FP32 * n_params // n
+    grads = FP32 * trained // (n if zero >= 2 else 1)
+    optimizer = 2 * FP32 * trained // n
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
@@ -249,7 +263,8 @@ def training_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
 
 def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device, stage: int) -> Breakdown:
     sp_ = stage_params(cfg, layout, stage)
-    n_params = sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"]
+    adapters = sp_["n_layers"] * lora_layer_params(cfg, work, layout.tp)
+    n_params = sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"] + adapters
     pattern = compute_pattern(layout, work)
     c = work.compute_bytes
     b, s = layout.micro_batch, work.seq_len
@@ -257,7 +272,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     layers = sp_["n_layers"]
     fused = device.kind == "cpu" or work.precision != "fp32"
 
-    states = model_state_bytes(n_params, layout.zero, layout.shard)
+    states = model_state_bytes(n_params, layout.zero, layout.shard, adapters if work.lora_rank else None)
     host = 0
     if layout.offload == "cpu":
         # FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer state live on the host.
@@ -321,9 +336,11 @@ def _grads_absent_at_peak(layout: Layout, m: int, device: Device) -> bool:
 
 def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict, c: int) -> dict:
     out = {}
-    n_params = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
+    adapters = stage["n_layers"] * lora_layer_params(cfg, work, layout.tp)
+    n_params = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"] + adapters
+    trained = adapters if work.lora_rank else n_params  # what has gradients
     if layout.dp > 1 and layout.zero <= 1:
-        out["ddp_buckets"] = FP32 * n_params  # all buckets, allocated once, 25 MB each
+        out["ddp_buckets"] = FP32 * trained  # all buckets, allocated once, 25 MB each
     if layout.zero >= 2:
         unit = layer_params(cfg, layout.tp)
         # The root unit is never resharded after forward; zero 2 keeps every block gathered
@@ -334,11 +351,12 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
         all_gathered = layout.zero == 2 or (layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
         out["gathered_params"] = c * (n_params if all_gathered else root + 2 * unit)
         # A block's unsharded gradient in compute dtype, and its fp32 copy for reduce-scatter.
-        out["unsharded_grads"] = (c + FP32) * max(unit, root) if c != FP32 else FP32 * max(unit, root)
+        grad_unit = max(unit, root) if not work.lora_rank else lora_layer_params(cfg, work, layout.tp)
+        out["unsharded_grads"] = (c + FP32) * grad_unit if c != FP32 else FP32 * grad_unit
         if microbatches(layout, work) > 1:
             # Without gradient sync (every micro-batch but the last) FSDP2 keeps each
             # block's unsharded gradient, upcast to the fp32 reduce dtype, until the last.
-            out["accumulated_unsharded_grads"] = FP32 * n_params
+            out["accumulated_unsharded_grads"] = FP32 * trained
     tokens = layout.micro_batch * work.seq_len
     if layout.tp > 1:
         out["tp_collectives"] = 2 * tokens * cfg.dim * c  # an all-gather output and its input
