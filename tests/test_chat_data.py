@@ -184,6 +184,8 @@ def test_packed_rows_compute_what_the_documents_compute_alone():
     (["data.loss_on=assistant"], "needs data.format=\"chat\""),
     (["train.eval_every=5"], "needs held-out data"),
     (["data.eval_fraction=1.5"], "must be at least 0 and below 1"),
+    (["train.eval_every=2", "data.eval_fraction=0.1", "parallel.pp=2", "parallel.pp_schedule=zbv",
+      "model.n_layers=4"], "cannot run that schedule forward-only"),
 ])
 def test_data_keys_are_checked(sets, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -21,7 +21,7 @@ else:  # pragma: no cover
 from .config_data import DataSection, check_data
 from .config_lora import LoraSection, check_lora
 from .errors import ConfigError  # re-exported: callers import it from here too
-from .layout import PRECISIONS, Layout, Workload, check, resolve_dp
+from .layout import PRECISIONS, SPLIT_BACKWARD_SCHEDULES, Layout, Workload, check, resolve_dp
 from .models.llama import LlamaConfig
 
 # [model]: where the model comes from, then every field of the model's config (LlamaConfig),
@@ -263,6 +263,9 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError("train.moe_aux_loss with parallel.pp > 1 is not available yet (the pipeline's loss sees "
                           "only its last stage); set train.moe_aux_loss=0 or parallel.pp=1")
     check_data(cfg.data, t.eval_every)
+    if t.eval_every and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(f"train.eval_every with parallel.pp_schedule={cfg.parallel.pp_schedule!r}: torch cannot run "
+                          f"that schedule forward-only; evaluate with \"1f1b\", \"gpipe\" or \"interleaved_1f1b\"")
     check_lora(cfg.lora)
     resolve_world(cfg, world_size)
     check(model_cfg, layout_of(cfg, world_size), workload_of(cfg), world_size)
