@@ -85,12 +85,24 @@ def test_unrepresentable_configs_refused(change, fragment):
     LlamaConfig(dim=64, n_layers=3, n_heads=8, vocab_size=300, ffn_dim=96, tie_embeddings=True, qkv_bias=True),
     LlamaConfig(dim=64, n_heads=4, head_dim=32, qk_norm=True),  # Qwen3
     LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, family="phi3"),
+    LlamaConfig(dim=64, n_heads=4, n_experts=4, experts_per_token=2, family="mixtral"),
+    LlamaConfig(dim=64, n_heads=4, head_dim=32, qk_norm=True, n_experts=4, moe_ffn_dim=48, router_renorm=False,
+                family="qwen3_moe"),
+    LlamaConfig(dim=64, n_heads=4, head_dim=32, family="gemma3_text", qk_norm=True, embed_scale=8.0,
+                sandwich_norm=True, mlp_act="gelu_tanh", query_pre_attn_scalar=32.0, sliding_window=8,
+                sliding_pattern=3, n_layers=6, rope_local_theta=10.0),
     LlamaConfig(max_seq_len=4096, rope_scaling=json.dumps({"rope_type": "dynamic", "factor": 2.0,
                                                           "original_max_position_embeddings": 4096}, sort_keys=True)),
 ])
 def test_export_mapping_reads_back(cfg):
     raw = json.loads(json.dumps(config_to_hf(cfg, 0, 1, "float32")))
     assert config_from_hf(raw) == cfg
+
+
+def test_what_a_family_cannot_express_is_refused_on_export():
+    with pytest.raises(UnsupportedHFConfig, match="model.moe_ffn_dim = 48 has no config.json form for model_type "
+                                                  "'mixtral' \\(it would load as 688\\)"):
+        config_to_hf(LlamaConfig(n_experts=4, moe_ffn_dim=48), 0, 1, "float32")
 
 
 def test_rope_freqs_have_no_config_json_form():

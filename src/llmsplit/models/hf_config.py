@@ -286,7 +286,8 @@ def config_to_hf(cfg: LlamaConfig, bos_id: int | None, eos_id: int | None, dtype
     # What the family's config.json cannot say (q/k norms with biases, Gemma's caps on a Llama)
     # would come back different: refused by name rather than exported as another model.
     back = config_from_hf(json.loads(json.dumps(raw)), "the exported config.json")
-    same = {"rope_scaling": lambda a, b: rope_params(a) == rope_params(b)}
+    same = {"rope_scaling": lambda a, b: rope_params(a) == rope_params(b),
+            "family": lambda a, b: b is None or a == b}  # None: export chose the family
     changed = next((f for f in cfg.to_dict() if not same.get(f, lambda a, b: a == b)(getattr(back, f), getattr(cfg, f))),
                    None)
     if changed is not None:

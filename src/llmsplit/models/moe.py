@@ -5,8 +5,8 @@ experts, optionally with the k weights renormalised to sum to 1; the experts are
 weights are stacked ([experts, out, in], the layout of an nn.Linear per expert), optionally beside
 shared experts every token passes through. Dropless: every token reaches its k experts, no
 capacity limit. Tokens are sorted by expert and the experts run as one grouped matmul over the
-contiguous rows of each (torch._grouped_mm, torch's grouped GEMM, which torchtitan uses too), not a
-Python loop over experts or tokens.
+contiguous rows of each (torch.nn.functional.grouped_mm, torch's grouped GEMM, which has a CPU
+kernel in torch 2.13), not a Python loop over experts or tokens.
 
 Balancing: `aux_loss` (the Switch/Mixtral load-balancing loss) and `tokens_per_expert` of the last
 forward are kept on the module for a training loop to read.
@@ -64,6 +64,6 @@ class MoE(nn.Module):
     def experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each expert over its rows of `x` ([sum(counts), dim], sorted by expert)."""
         offs = counts.cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
+        up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)

@@ -9,9 +9,10 @@ PRESETS: dict[str, dict] = {
     # tokenizer uses 258 ids; 264 rounds the table up to a multiple of 8 for tensor parallel.
     "tiny": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=264, ffn_dim=688,
                  max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
-    # Mixture of experts for tests: 4 experts of which each token uses 2, in each of 2 layers.
-    "tiny-moe": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, ffn_dim=256, max_seq_len=256,
-                     rope_theta=10000.0, norm_eps=1e-5, n_experts=4, experts_per_token=2, moe_ffn_dim=128),
+    # Mixture of experts for tests, Mixtral-shaped (exports as Mixtral): 4 experts of which each
+    # token uses 2, in each of 2 layers.
+    "tiny-moe": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, ffn_dim=128, max_seq_len=256,
+                     rope_theta=10000.0, norm_eps=1e-5, n_experts=4, experts_per_token=2),
     "llama-3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                          ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5,
                          tie_embeddings=True),
