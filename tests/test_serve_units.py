@@ -274,3 +274,34 @@ def test_blocks_on_demand_preempt_the_newest_and_every_sequence_finishes(folder)
     # The pool holds at least one full context, so a request that fits the context fits the pool.
     with pytest.raises(ConfigError, match="kv_tokens 32 holds less than one sequence"):
         llmsplit.load(folder, max_context=64, kv_tokens=32)
+
+
+def test_prompts_that_start_alike_share_cached_blocks(folder):
+    """Prefix caching (on by default): full blocks are found by a hash chained over every token
+    up to their end, shared while several sequences hold them, kept once freed and evicted
+    oldest first when the pool needs room; the tokens are those computed without it."""
+    cached = llmsplit.load(folder, max_batch=2, max_context=128, kv_tokens=128)  # 8 blocks of 16
+    plain = llmsplit.load(folder, max_batch=2, max_context=128, kv_tokens=128, prefix_caching=False)
+    system = cached.tokenizer.encode("You are a helpful assistant who answers questions about Python. " * 2)
+    prompts = [system + cached.tokenizer.encode(q) for q in (" What is a class?", " What is a def?")]
+    params = SamplingParams(12, ignore_eos=True)
+
+    def run(m, together: bool) -> list[list[int]]:
+        seqs = [m.engine.new_sequence(p, params) for p in prompts]
+        for group in ([seqs] if together else [[s] for s in seqs]):
+            m.engine.generate(group)
+        return [s.tokens for s in seqs]
+
+    want = run(plain, together=False)
+    pool = cached.engine.pool
+    assert run(cached, together=False) == want
+    shared = (len(system) // 16) * 16  # the second prompt found the first's full blocks of the system text
+    assert pool.hit_tokens >= shared > 0 and plain.engine.pool.hit_tokens == 0
+    hits = pool.hit_tokens
+    assert run(cached, together=True) == want  # both running at once, holding the same blocks
+    assert pool.hit_tokens - hits >= 2 * shared
+    # Other prompts fill the pool: the cached blocks are evicted, oldest first, and nothing fails.
+    for i in range(6):
+        other = cached.tokenizer.encode(f"{i} different words about lists, tuples and sets number {i} ")
+        assert alone(cached, cached.tokenizer.decode(other), 20) == alone(plain, plain.tokenizer.decode(other), 20)
+    assert pool.free_blocks == pool.num_blocks

@@ -141,6 +141,9 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=COUNT, default=None, metavar="N",
                    help="tokens the KV cache holds, shared by all sequences (default max-batch full contexts); "
                         "blocks are taken as tokens arrive and the newest sequence is preempted when it runs out")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full (default: prompts that start alike share the KV blocks of "
+                        "their common start)")
     p.add_argument("--max-queue", type=number(int, at_least=0), default=64, metavar="N",
                    help="sequences that may wait for a batch slot; beyond that requests get 429 (default 64)")
     p.add_argument("--max-request-size", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")

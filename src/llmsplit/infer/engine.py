@@ -86,11 +86,11 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
 
 class Engine:
     def __init__(self, runner, tokenizer, eos_ids: set[int], num_blocks: int, block_size: int,
-                 max_batch: int, max_context: int):
+                 max_batch: int, max_context: int, prefix_caching: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.max_batch = max_batch
         self.max_context = max_context
         self._next_id = 0
@@ -106,10 +106,19 @@ class Engine:
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the prompt through the model once, filling its KV cache; logits [vocab] of the
         next token."""
-        self.pool.append(seq.id, len(seq.prompt))
         self.prompt_tokens += len(seq.prompt)
-        step = self.pool.step([seq.id], len(seq.prompt))
-        return self.runner.forward(torch.tensor([seq.prompt]), step, last_only=True)[0, -1].float()
+        return self._fill(seq, seq.prompt)[0, -1].float()
+
+    def _fill(self, seq: Sequence, context: list[int]) -> torch.Tensor:
+        """Fill a new sequence's cache with `context`: the blocks its start shares with a
+        cached one are taken as they are (prefix caching), the rest is computed in one chunk
+        after them; returns the chunk's last logits."""
+        cached = self.pool.match_prefix(seq.id, context)
+        self.pool.append(seq.id, len(context) - cached)
+        step = self.pool.step([seq.id], len(context) - cached)
+        logits = self.runner.forward(torch.tensor([context[cached:]]), step, last_only=True)
+        self.pool.commit(seq.id, context)
+        return logits
 
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [b, vocab] of the following ones."""
@@ -191,7 +200,7 @@ class Engine:
         bs = self.pool.block_size
         while len(decoding) > 1 and sum(self.pool.lengths[s.id] % bs == 0 for s in decoding) > self.pool.free_blocks:
             victim = decoding.pop()
-            self.pool.free(victim.id)
+            self._release(victim)  # its full blocks stay cached: the recompute may find them
             self.running.remove(victim)
             self.waiting.appendleft(victim)
             victim.preemptions += 1
@@ -202,9 +211,8 @@ class Engine:
         """Refill a preempted sequence's KV cache: its prompt and every token it generated
         but the newest, which the next decode step feeds as usual."""
         context = seq.prompt + seq.tokens[:-1]
-        self.pool.append(seq.id, len(context))
         self.recomputed_tokens += len(context)
-        self.runner.forward(torch.tensor([context]), self.pool.step([seq.id], len(context)), last_only=True)
+        self._fill(seq, context)
 
     def _collect(self, finished: list[Sequence]) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:
@@ -233,6 +241,8 @@ class Engine:
         return min(len(seq.prompt) + seq.params.max_new_tokens, self.max_context)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.id in self.pool.lengths:  # what its cache holds (prompt, then every token fed) stays findable
+            self.pool.commit(seq.id, (seq.prompt + seq.tokens)[:self.pool.lengths[seq.id]])
         self.pool.free(seq.id)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:

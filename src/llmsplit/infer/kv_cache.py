@@ -12,6 +12,9 @@ its slots; the gather is one indexed copy per layer.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -22,34 +25,96 @@ class CacheFull(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    """Which blocks belong to which sequence, with prefix caching (as vLLM and nano-vllm do
+    it): a full block is known by a hash chained over every token up to its end, so two
+    prompts that start alike share the blocks of their common start (reference counted).
+    A block nobody holds keeps its contents and its hash until the pool needs it again,
+    least recently freed first, so a later prompt with the same start still finds it."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.prefix_caching = prefix_caching
+        self._free = list(range(num_blocks - 1, -1, -1))  # empty blocks; pop() hands out low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> the hash of its contents, once full
+        self._by_hash: dict[bytes, int] = {}
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.hit_tokens = 0  # prompt tokens found cached, and looked up: the hit rate in /metrics
+        self.query_tokens = 0
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        """Give a new sequence the cached blocks its `tokens` start with; returns how many
+        tokens they hold. The last token is always left to compute (its logits are needed)."""
+        assert seq_id not in self.tables
+        table, parent = self.tables.setdefault(seq_id, []), b""
+        self.query_tokens += len(tokens)
+        if self.prefix_caching:
+            for i in range((len(tokens) - 1) // self.block_size):
+                parent = self._hash(parent, tokens, i)
+                block = self._by_hash.get(parent)
+                if block is None:
+                    break
+                self._evictable.pop(block, None)
+                self._refs[block] += 1
+                table.append(block)
+        self.lengths[seq_id] = len(table) * self.block_size
+        self.hit_tokens += self.lengths[seq_id]
+        return self.lengths[seq_id]
+
+    def commit(self, seq_id: int, tokens: list[int]) -> None:
+        """Make the full blocks of `seq_id`, whose cache now holds `tokens`, findable."""
+        if not self.prefix_caching:
+            return
+        parent = b""
+        for i, block in enumerate(self.tables[seq_id][:len(tokens) // self.block_size]):
+            parent = self._hash(parent, tokens, i)
+            if block not in self._hash_of and parent not in self._by_hash:
+                self._hash_of[block], self._by_hash[parent] = parent, block
 
     def append(self, seq_id: int, n: int) -> None:
         """Room for n more tokens of `seq_id` (a new sequence starts at length 0)."""
         table = self.tables.setdefault(seq_id, [])
         length = self.lengths.get(seq_id, 0) + n
         need = self.blocks_for(length) - len(table)
-        if need > len(self._free):
-            raise CacheFull(f"sequence {seq_id} needs {need} more KV blocks, {len(self._free)} are free")
-        table.extend(self._free.pop() for _ in range(need))
+        if need > self.free_blocks:
+            raise CacheFull(f"sequence {seq_id} needs {need} more KV blocks, {self.free_blocks} are free")
+        table.extend(self._take() for _ in range(need))
         self.lengths[seq_id] = length
 
     def free(self, seq_id: int) -> None:
-        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None  # kept for a later prompt with the same start
+                else:
+                    self._free.append(block)
         self.lengths.pop(seq_id, None)
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the cached block freed longest ago
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _hash(self, parent: bytes, tokens: list[int], i: int) -> bytes:
+        # A cryptographic digest, not hash(): a collision would hand a sequence another's keys.
+        chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
+        return hashlib.blake2b(parent + array("q", chunk).tobytes(), digest_size=16).digest()
 
     def usage(self) -> tuple[int, int]:
         """(tokens of allocated blocks, tokens actually stored)."""

@@ -67,6 +67,13 @@ class _Live:
             yield GaugeMetricFamily(f"llmsplit_{name}", help_text, value=value)
         yield CounterMetricFamily("llmsplit_prompt_tokens", "Prompt tokens prefilled.", value=s.engine.prompt_tokens)
         yield CounterMetricFamily("llmsplit_generated_tokens", "Tokens sampled.", value=s.engine.sampled_tokens)
+        pool = s.engine.pool
+        yield CounterMetricFamily("llmsplit_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=pool.query_tokens)
+        yield CounterMetricFamily("llmsplit_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+                                  value=pool.hit_tokens)
+        yield GaugeMetricFamily("llmsplit_prefix_cache_hit_rate", "Prompt tokens found cached over those looked up.",
+                                value=pool.hit_tokens / pool.query_tokens if pool.query_tokens else 0.0)
         yield CounterMetricFamily("llmsplit_preemptions", "Sequences preempted for want of KV blocks (recomputed later).",
                                   value=s.engine.preemptions)
         yield CounterMetricFamily("llmsplit_recomputed_tokens", "Tokens prefilled again after a preemption.",
