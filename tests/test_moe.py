@@ -62,6 +62,18 @@ def test_moe_configs_refused_in_one_sentence():
     assert cfg.num_params() == sum(p.numel() for p in __import__("llmsplit").models.Transformer(cfg).parameters())
 
 
+def test_planner_counts_total_parameters_and_active_activations():
+    from llmsplit.plan.memory import layer_activation_bytes
+
+    moe = preset_config("tiny-moe")  # 4 experts of 128, 2 per token
+    dense = preset_config("tiny-moe", n_experts=0, ffn_dim=2 * 128)  # what one token computes
+    assert moe.layer_matmul_params() == dense.layer_matmul_params()  # FLOPs: the active experts
+    assert moe.layer_params() - dense.layer_params() == 2 * 3 * 128 * 128 + 4 * 128  # + idle experts, router
+    for pattern in ("fp32", "autocast"):  # activations: the k experts' intermediates of each token
+        assert layer_activation_bytes(moe, 4, 64, Layout(), pattern) == layer_activation_bytes(dense, 4, 64, Layout(),
+                                                                                              pattern)
+
+
 transformers = pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402

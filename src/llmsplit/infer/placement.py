@@ -94,7 +94,7 @@ def workspace_bytes(cfg: LlamaConfig, s: Sizes, holds_output: bool) -> int:
     Attention scores are not counted: the fused kernels (CPU flash and CUDA SDPA) stream them.
     The device holding `output` also keeps fp32 logits for every sequence of the batch."""
     kv_dim = cfg.n_kv_heads * cfg.head_dim
-    per_token = (4 * cfg.dim + 2 * kv_dim + 3 * cfg.ffn_dim) * s.dtype_bytes + 2 * kv_dim * s.kv_dtype_bytes
+    per_token = (4 * cfg.dim + 2 * kv_dim + 3 * cfg.active_ffn_dim()) * s.dtype_bytes + 2 * kv_dim * s.kv_dtype_bytes
     tokens = max(s.context, s.batch)
     return tokens * per_token + (4 * s.batch * cfg.vocab_size if holds_output else 0)
 

@@ -5,7 +5,8 @@ config.json against the tensor shapes the folder's safetensors headers declare b
 anything is built (read from the headers alone, so the planner can check without torch).
 
 What llmsplit's decoder cannot compute (another architecture, a rope scaling kind it does
-not implement, biases where it has none, layer types without a fixed period) is refused by name rather than loaded with silently different maths. This module
+not implement, biases where it has none, layer types without a fixed period) is refused by
+name rather than loaded with silently different maths. This module
 imports nothing else of llmsplit, so it raises `UnsupportedHFConfig` (a ValueError); each
 entry layer turns that into its own user error in one place.
 """

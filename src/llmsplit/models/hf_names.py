@@ -132,7 +132,8 @@ def expert_part(cfg: LlamaConfig, hf_name: str) -> tuple[str, int] | None:
 _FUSED_NAMES = [
     ("model.layers.{i}.self_attn.qkv_proj.weight",
      ("layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight")),
-    ("model.layers.{i}.mlp.gate_up_proj.weight", ("layers.{i}.feed_forward.w1.weight", "layers.{i}.feed_forward.w3.weight")),
+    ("model.layers.{i}.mlp.gate_up_proj.weight",
+     ("layers.{i}.feed_forward.w1.weight", "layers.{i}.feed_forward.w3.weight")),
 ]
 _FUSED_TO_HF = [(_compile(ours), hf) for hf, parts in _FUSED_NAMES for ours in parts]
 _FUSED_TO_OURS = [(_compile(hf), parts) for hf, parts in _FUSED_NAMES]
