@@ -157,8 +157,9 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     tp, kv, training = layout.tp, model.n_kv_heads, work is None or work.mode == "train"
     flag = _name("tp", work)
     if model.n_experts and tp > 1:
+        other = _name("pp", work) if not training else "parallel.pp or data parallel (parallel.dp, zero)"
         raise ConfigError(f"{_say('tp', tp, work)} does not split mixture-of-experts layers (model.n_experts="
-                          f"{model.n_experts}) yet; use {_name('pp', work)} or data parallel (parallel.dp, zero) with tp 1")
+                          f"{model.n_experts}) yet; use {other} with tp 1")
     if model.n_heads % tp:
         raise ConfigError(f"{_say('tp', tp, work)} does not divide model.n_heads={model.n_heads}; use {flag} in "
                           f"{', '.join(map(str, divisors(model.n_heads)))}")
