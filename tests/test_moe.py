@@ -17,7 +17,8 @@ from llmsplit.models.presets import preset_config
 
 def _reference(moe: MoE, x: torch.Tensor, renorm: bool) -> torch.Tensor:
     """Each token through its top-k experts one at a time, as the papers write it."""
-    scores = moe.router(x).float().softmax(-1)
+    logits = moe.router(x).float()
+    scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
     w, idx = scores.topk(moe.k)
     w = w / w.sum(-1, keepdim=True) if renorm else w
     out = moe.shared(x) if moe.shared is not None else torch.zeros_like(x)
@@ -31,10 +32,10 @@ def _reference(moe: MoE, x: torch.Tensor, renorm: bool) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("shared,renorm", [(0, True), (1, False)])
-def test_grouped_experts_equal_one_token_at_a_time(shared, renorm):
+@pytest.mark.parametrize("shared,renorm,score", [(0, True, "softmax"), (1, False, "softmax"), (1, True, "sigmoid")])
+def test_grouped_experts_equal_one_token_at_a_time(shared, renorm, score):
     cfg = LlamaConfig(dim=32, n_heads=4, ffn_dim=48, n_experts=4, experts_per_token=2, n_shared_experts=shared,
-                      router_renorm=renorm)
+                      router_renorm=renorm, router_score=score)
     torch.manual_seed(0)
     moe = MoE(cfg)
     for p in moe.parameters():
@@ -48,7 +49,8 @@ def test_grouped_experts_equal_one_token_at_a_time(shared, renorm):
         torch.testing.assert_close(g, h, atol=1e-4, rtol=1e-4)
     counts = moe.tokens_per_expert
     assert counts.sum() == 14 * 2 and counts.shape == (4,)  # dropless: every token reached its 2 experts
-    scores = moe.router(x.reshape(-1, 32)).softmax(-1)
+    logits = moe.router(x.reshape(-1, 32))
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     assert torch.isclose(moe.aux_loss, 4 * (counts / 28 * scores.mean(0)).sum())
 
 
@@ -56,6 +58,8 @@ def test_moe_configs_refused_in_one_sentence():
     with pytest.raises(ConfigError, match="model.experts_per_token is 5; each token goes to between 1 and "
                                           "model.n_experts 4 experts"):
         check(preset_config("tiny-moe", experts_per_token=5), Layout())
+    with pytest.raises(ConfigError, match="model.router_score is 'top'; it must be one of 'softmax', 'sigmoid'"):
+        check(preset_config("tiny-moe", router_score="top"), Layout())
     with pytest.raises(ConfigError, match="parallel.tp=2 does not split mixture-of-experts layers"):
         check(preset_config("tiny-moe"), Layout(tp=2))
     cfg = preset_config("tiny-moe")

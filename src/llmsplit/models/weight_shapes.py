@@ -72,6 +72,9 @@ def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str 
     if cfg.n_kv_heads > cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         return (f"{key('n_heads')} {cfg.n_heads} is not a multiple of {key('n_kv_heads')} {cfg.n_kv_heads} "
                 f"(each key/value head serves a whole group of query heads)")
+    for field, allowed in (("router_score", ("softmax", "sigmoid")), ("mlp_act", ("silu", "gelu_tanh"))):
+        if getattr(cfg, field) not in allowed:
+            return f"{key(field)} is {getattr(cfg, field)!r}; it must be one of {', '.join(map(repr, allowed))}"
     if cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts:
         return (f"{key('experts_per_token')} is {cfg.experts_per_token}; each token goes to between 1 and "
                 f"{key('n_experts')} {cfg.n_experts} experts")
