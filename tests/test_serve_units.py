@@ -305,3 +305,34 @@ def test_prompts_that_start_alike_share_cached_blocks(folder):
         other = cached.tokenizer.encode(f"{i} different words about lists, tuples and sets number {i} ")
         assert alone(cached, cached.tokenizer.decode(other), 20) == alone(plain, plain.tokenizer.decode(other), 20)
     assert pool.free_blocks == pool.num_blocks
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(folder):
+    """--max-num-batched-tokens 16: a 150-token prompt arriving while another sequence decodes
+    is filled 15 tokens a step (the decode takes its share first), and the running sequence
+    gets a token in every one of those steps (issue 19: a long prompt stalled every stream);
+    both get the tokens they get unchunked."""
+    chunked = llmsplit.load(folder, max_batch=2, max_context=256, max_num_batched_tokens=16)
+    e = chunked.engine
+    running = e.new_sequence(chunked.tokenizer.encode("The def"), SamplingParams(40, ignore_eos=True))
+    e.add(running)
+    for _ in range(3):
+        e.step()
+    long_prompt = [3 + (i * 7) % 300 for i in range(150)]
+    arriving = e.new_sequence(long_prompt, SamplingParams(8, ignore_eos=True))
+    e.add(arriving)
+    steps = 0
+    while not arriving.tokens:
+        before = len(running.tokens)
+        e.step()
+        steps += 1
+        assert len(running.tokens) == before + 1  # the stream never stalls
+    assert steps == -(-150 // 15)
+    while e.busy:
+        e.step()
+    whole = llmsplit.load(folder, max_batch=2, max_context=256)
+    assert running.tokens == alone(whole, "The def", 40)
+    assert arriving.tokens == whole.engine.generate([whole.engine.new_sequence(long_prompt, SamplingParams(
+        8, ignore_eos=True))])[0].tokens
+    with pytest.raises(ConfigError, match="max_num_batched_tokens 1 is less than max_batch 2"):
+        llmsplit.load(folder, max_batch=2, max_num_batched_tokens=1)

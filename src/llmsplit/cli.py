@@ -200,7 +200,8 @@ def cmd_serve(args) -> int:
         serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
               drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
-              kv_tokens=args.kv_tokens, prefix_caching=args.prefix_caching, **_placement_kwargs(args))
+              kv_tokens=args.kv_tokens, prefix_caching=args.prefix_caching,
+              max_num_batched_tokens=args.max_num_batched_tokens, **_placement_kwargs(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:

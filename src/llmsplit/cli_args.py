@@ -141,6 +141,10 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=COUNT, default=None, metavar="N",
                    help="tokens the KV cache holds, shared by all sequences (default max-batch full contexts); "
                         "blocks are taken as tokens arrive and the newest sequence is preempted when it runs out")
+    p.add_argument("--max-num-batched-tokens", type=COUNT, default=None, metavar="N",
+                   help="tokens one step computes at most, the batch's decodes first and then chunks of the "
+                        "prompts being filled, so that a long prompt never stalls the streams already running "
+                        "(default: no limit, each prompt in one go)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (default: prompts that start alike share the KV blocks of "
                         "their common start)")

@@ -104,7 +104,7 @@ def placement_mode(device_map):
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
          quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
-         source=None) -> LoadedModel:
+         max_num_batched_tokens: int | None = None, source=None) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
@@ -135,7 +135,11 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                                           offload_dir=offload_dir, compile=compile, quantize=quantize))
         dmap = dict(placement.device_map)
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
-    engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context, prefix_caching)
+    if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
+        raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} is less than max_batch {max_batch}: a "
+                          f"full batch of decodes would leave no room for prompts; raise it to at least {max_batch}")
+    engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context, prefix_caching,
+                    max_num_batched_tokens)
     if compile:
         _compile_decode_graphs(engine, max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg)

@@ -61,6 +61,8 @@ class Sequence:
     last_token_at: float = field(default_factory=time.monotonic)  # creation, then each token's time
     first_token: bool = True
     preemptions: int = 0  # times its blocks were taken back (it was then recomputed)
+    filling: list[int] | None = None  # the context its cache is being filled with (None: filled)
+    filled: int = 0  # tokens of `filling` in the cache so far
 
     @property
     def length(self) -> int:
@@ -86,13 +88,17 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
 
 class Engine:
     def __init__(self, runner, tokenizer, eos_ids: set[int], num_blocks: int, block_size: int,
-                 max_batch: int, max_context: int, prefix_caching: bool = True):
+                 max_batch: int, max_context: int, prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.max_batch = max_batch
         self.max_context = max_context
+        # Tokens one step computes at most (decodes first, then prefill chunks): a long prompt
+        # is then filled over several steps while the running sequences keep their pace.
+        self.max_num_batched_tokens = max_num_batched_tokens or max_batch * max_context
         self._next_id = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -103,22 +109,24 @@ class Engine:
         # Called with (first token?, seconds since the sequence's creation or its last token).
         self.on_latency: Callable[[bool, float], None] | None = None
 
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Run the prompt through the model once, filling its KV cache; logits [vocab] of the
-        next token."""
-        self.prompt_tokens += len(seq.prompt)
-        return self._fill(seq, seq.prompt)[0, -1].float()
-
-    def _fill(self, seq: Sequence, context: list[int]) -> torch.Tensor:
-        """Fill a new sequence's cache with `context`: the blocks its start shares with a
-        cached one are taken as they are (prefix caching), the rest is computed in one chunk
-        after them; returns the chunk's last logits."""
-        cached = self.pool.match_prefix(seq.id, context)
-        self.pool.append(seq.id, len(context) - cached)
-        step = self.pool.step([seq.id], len(context) - cached)
-        logits = self.runner.forward(torch.tensor([context[cached:]]), step, last_only=True)
-        self.pool.commit(seq.id, context)
-        return logits
+    def _prefill_chunks(self, budget: int) -> None:
+        """Compute up to `budget` tokens of the contexts being filled, oldest sequence first,
+        each chunk after what its cache already holds (a cached prefix, the chunks before). A
+        sequence whose prompt is complete samples its first token."""
+        for seq in [s for s in self.running if s.filling is not None]:
+            if budget <= 0:
+                return
+            context, start = seq.filling, seq.filled
+            n = min(len(context) - start, budget)
+            step = self.pool.chunk(seq.id, start, n)
+            logits = self.runner.forward(torch.tensor([context[start:start + n]]), step, last_only=True)
+            seq.filled = start + n
+            budget -= n
+            if start + n == len(context):
+                seq.filling = None
+                self.pool.commit(seq.id, context)
+                if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
+                    self._advance(seq, logits[0, -1].float())
 
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [b, vocab] of the following ones."""
@@ -163,10 +171,13 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Sequence]:
-        """Admit what fits, prefill it, decode one token for every running sequence; returns
-        the sequences that finished in this step (their blocks are already free)."""
+        """Admit what fits, prefill it (in chunks under `max_num_batched_tokens`), decode one
+        token for every running sequence whose prompt is in; returns the sequences that
+        finished in this step (their blocks are already free)."""
         finished = []
         self._admit()
+        ready = sum(s.filling is None and s.finish_reason is None for s in self.running)
+        self._prefill_chunks(self.max_num_batched_tokens - ready)  # the decodes take their share first
         self._collect(finished)  # a first token may already end a sequence (EOS): its blocks go back now
         decoding = self._make_room()
         if decoding:
@@ -179,24 +190,31 @@ class Engine:
     def _admit(self) -> None:
         """Blocks are taken as tokens arrive (as in vLLM): a sequence is admitted once the
         blocks for its prompt, and for what it had generated if it was preempted, are free,
-        with one block to spare so that the batch can take its next tokens."""
+        with one block to spare so that the batch can take its next tokens. Its prompt's
+        blocks are taken at once (found cached where its start matches a cached one), and
+        computed chunk by chunk in the following steps."""
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if self.pool.blocks_for(seq.length) + 1 > self.pool.free_blocks and self.running:
                 break  # wait until a running sequence returns its blocks
             self.waiting.popleft()
             self.running.append(seq)
+            # A preempted sequence recomputes its prompt and every token it generated but the
+            # newest, which the next decode step feeds as usual.
+            seq.filling = seq.prompt + seq.tokens[:-1]
             if seq.tokens:
-                self._recompute(seq)
+                self.recomputed_tokens += len(seq.filling)
             else:
-                self._advance(seq, self.prefill(seq))
+                self.prompt_tokens += len(seq.prompt)
+            seq.filled = self.pool.match_prefix(seq.id, seq.filling)
+            self.pool.append(seq.id, len(seq.filling) - seq.filled)
 
     def _make_room(self) -> list[Sequence]:
         """The running sequences that decode this step. When the pool has too few free blocks
         for the batch's next tokens, the newest sequence is preempted: its blocks are freed
         and it goes back to the head of the queue, to be recomputed when blocks free up (no
         request fails for want of blocks, and the oldest keep going)."""
-        decoding = [s for s in self.running if s.finish_reason is None]
+        decoding = [s for s in self.running if s.filling is None and s.finish_reason is None]
         bs = self.pool.block_size
         while len(decoding) > 1 and sum(self.pool.lengths[s.id] % bs == 0 for s in decoding) > self.pool.free_blocks:
             victim = decoding.pop()
@@ -206,13 +224,6 @@ class Engine:
             victim.preemptions += 1
             self.preemptions += 1
         return decoding
-
-    def _recompute(self, seq: Sequence) -> None:
-        """Refill a preempted sequence's KV cache: its prompt and every token it generated
-        but the newest, which the next decode step feeds as usual."""
-        context = seq.prompt + seq.tokens[:-1]
-        self.recomputed_tokens += len(context)
-        self._fill(seq, context)
 
     def _collect(self, finished: list[Sequence]) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:

@@ -120,6 +120,14 @@ class BlockPool:
         """(tokens of allocated blocks, tokens actually stored)."""
         return sum(len(t) for t in self.tables.values()) * self.block_size, sum(self.lengths.values())
 
+    def chunk(self, seq_id: int, start: int, n: int) -> "Step":
+        """The step that writes tokens [start, start + n) of one sequence (its blocks already
+        taken): a prefill chunk after what its cache holds."""
+        pos = torch.arange(start + n)
+        gather = (torch.tensor(self.tables[seq_id])[pos // self.block_size] * self.block_size
+                  + pos % self.block_size)[None]
+        return Step(start, gather[0, start:].clone(), gather, None)
+
     def step(self, seq_ids: list[int], n_new: int) -> "Step":
         """The step that writes the last n_new tokens of each sequence (already appended)."""
         # Built from Python lists in a few tensor ops: it runs once per decoded token.
