@@ -55,11 +55,11 @@ def _env(nproc: int) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
 
 
-def run_plain(folder: Path, nproc: int, steps: int, shape: dict, out: Path) -> dict:
+def run_plain(folder: Path, nproc: int, steps: int, shape: dict, out: Path, extra=()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(Path(__file__).with_name("plain_hf_ddp.py")),
            "--model", str(folder), "--steps", str(steps), "--global-batch", str(shape["global_batch"]),
-           "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]), "--out", str(out)]
+           "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]), "--out", str(out), *extra]
     code = run_until_results(cmd, out, env=_env(nproc))
     if code:
         raise subprocess.CalledProcessError(code, cmd)

@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lora-rank", type=int, default=0, help="train PEFT LoRA adapters of this rank on every "
+                    "linear layer (alpha 16), the base frozen (needs peft importable)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -38,9 +40,15 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # sdpa attention by default
     model.train()
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=16, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     model = DDP(model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     sampler = BatchSampler(load_tokens("builtin", load_tokenizer(args.model)), args.seq_len, args.global_batch, 0)
@@ -59,15 +67,19 @@ def main():
                 loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten()) / n_micro
                 loss.backward()
             loss_sum += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
         times.append(time.perf_counter() - t0)
+    with open("/proc/self/status") as f:  # the process's peak resident size, as llmsplit reports on a CPU
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"step_time_s": times, "loss": losses,
+            json.dump({"step_time_s": times, "loss": losses, "peak_mem_bytes": peaks,
                        "tokens_per_step": args.global_batch * args.seq_len}, f)
     dist.destroy_process_group()
 
