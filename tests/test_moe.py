@@ -73,6 +73,9 @@ def test_planner_counts_total_parameters_and_active_activations():
     dense = preset_config("tiny-moe", n_experts=0, ffn_dim=2 * 128)  # what one token computes
     assert moe.layer_matmul_params() == dense.layer_matmul_params()  # FLOPs: the active experts
     assert moe.layer_params() - dense.layer_params() == 2 * 3 * 128 * 128 + 4 * 128  # + idle experts, router
+    for name, total, active in (("mixtral-8x7b", 46.70e9, 12.88e9), ("qwen3-30b-a3b", 30.53e9, 3.34e9)):
+        cfg = preset_config(name)  # the published sizes
+        assert abs(cfg.num_params() - total) < 0.01e9 and abs(cfg.active_params() - active) < 0.01e9, name
     for pattern in ("fp32", "autocast"):  # activations: the k experts' intermediates of each token
         assert layer_activation_bytes(moe, 4, 64, Layout(), pattern) == layer_activation_bytes(dense, 4, 64, Layout(),
                                                                                               pattern)

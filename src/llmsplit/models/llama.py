@@ -118,6 +118,10 @@ class LlamaConfig:
         norms = (4 if self.sandwich_norm else 2) * self.dim
         return self.layer_matmul_params() + self.moe_params() + bias + qk_norm + norms
 
+    def active_params(self) -> int:
+        """Parameters one token computes with: all of them, less the experts it is not routed to."""
+        return self.num_params() - self.n_layers * self.moe_params()
+
     def num_params(self) -> int:
         """Parameter count, computed from the sizes alone (no model is built)."""
         embed = self.vocab_size * self.dim

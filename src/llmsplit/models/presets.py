@@ -26,6 +26,12 @@ PRESETS: dict[str, dict] = {
                         ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5),
     "llama-3.1-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                            ffn_dim=53248, max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5),
+    # Mixtures of experts (configs as their config.json gives them): 46.7 B / 12.9 B active, 30.5 B / 3.3 B.
+    "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
+                         max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5, n_experts=8, experts_per_token=2),
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+                          ffn_dim=6144, moe_ffn_dim=768, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                          qk_norm=True, n_experts=128, experts_per_token=8, router_renorm=True, tie_embeddings=False),
 }
 
 

@@ -72,7 +72,8 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
     cands = result["candidates"]
     shown = cands[:top]
     return {
-        "model": {"name": name, "params": cfg_model.num_params(), **cfg_model.to_dict()},
+        "model": {"name": name, "params": cfg_model.num_params(), "active_params": cfg_model.active_params(),
+                  **cfg_model.to_dict()},
         "hardware": {"gpu": device.name, "count": gpus, "nodes": -(-gpus // per_node), "gpus_per_node": per_node,
                      **{k: v for k, v in device.to_dict().items() if k not in ("name", "gpus_per_node")}},
         "workload": {"mode": work.mode, "seq_len": work.seq_len, "global_batch": work.global_batch,

@@ -24,7 +24,8 @@ def layout_text(layout: dict) -> str:
 
 def format_report(report: dict) -> str:
     m, hw, w = report["model"], report["hardware"], report["workload"]
-    lines = [f"model {m['name']}: {m['params'] / 1e9:.2f} B parameters, {m['n_layers']} layers, dim {m['dim']}",
+    active = f" ({m['active_params'] / 1e9:.2f} B active per token)" if m.get("n_experts") else ""
+    lines = [f"model {m['name']}: {m['params'] / 1e9:.2f} B parameters{active}, {m['n_layers']} layers, dim {m['dim']}",
              f"hardware {hw['count']} × {hw['gpu']} ({hw['nodes']} node(s) of {hw['gpus_per_node']}), "
              f"{hw['memory_bytes'] / GiB:.1f} GiB each",
              f"workload {w['mode']}: seq {w['seq_len']}, {'global batch' if w['mode'] == 'train' else 'sequences'} "
