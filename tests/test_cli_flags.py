@@ -21,6 +21,10 @@ class Loaded(Exception):
 
 @pytest.fixture
 def no_loading(monkeypatch):
+    # Imported before the patch: a module first imported under it would keep the refusing
+    # open_weights bound for every later test (test_infer_cli failed after this file alone).
+    import llmsplit.infer.api  # noqa: F401
+
     def refuse(*args, **kwargs):
         raise Loaded()
 
