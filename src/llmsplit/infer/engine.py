@@ -69,6 +69,15 @@ class Sequence:
         return len(self.prompt) + len(self.tokens)
 
 
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The next token of every sequence from its row of logits [b, vocab]: the greedy rows
+    from one max over the whole batch (one op, not one per sequence), the others drawn each
+    with its own generator (so a seeded request repeats whatever it is batched with)."""
+    greedy = logits.max(-1).indices.tolist()  # max's index is argmax's (the first of equal values)
+    return [greedy[row] if seq.params.temperature <= 0 else sample(logits[row], seq.params, seq.generator)
+            for row, seq in enumerate(seqs)]
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     """One token id from a [vocab] row: greedy at temperature 0, else top-k / nucleus sampling."""
     if p.temperature <= 0:
@@ -126,7 +135,7 @@ class Engine:
                 seq.filling = None
                 self.pool.commit(seq.id, context)
                 if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
-                    self._advance(seq, logits[0, -1].float())
+                    self._advance(seq, sample_batch(logits[:, -1].float(), [seq])[0])
 
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [b, vocab] of the following ones."""
@@ -182,8 +191,8 @@ class Engine:
         decoding = self._make_room()
         if decoding:
             logits = self.decode_step(decoding)
-            for row, seq in enumerate(decoding):
-                self._advance(seq, logits[row])
+            for seq, token in zip(decoding, sample_batch(logits, decoding)):
+                self._advance(seq, token)
         self._collect(finished)
         return finished
 
@@ -256,9 +265,8 @@ class Engine:
             self.pool.commit(seq.id, (seq.prompt + seq.tokens)[:self.pool.lengths[seq.id]])
         self.pool.free(seq.id)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _advance(self, seq: Sequence, nxt: int) -> None:
         p = seq.params
-        nxt = sample(logits, p, seq.generator)
         self.sampled_tokens += 1
         now = time.monotonic()
         if self.on_latency is not None:
