@@ -52,7 +52,8 @@ def test_gguf_blocks_give_the_dequantized_weights():
         qt = gguf.GGMLQuantizationType[kind]
         if kind == "Q4_K":
             raw = rng.integers(0, 256, (64, 144), dtype=np.uint8)
-            raw[:, :4] = np.frombuffer(rng.uniform(0.001, 0.01, 128).astype(np.float16).tobytes(), np.uint8).reshape(64, 4)
+            d = rng.uniform(0.001, 0.01, 128).astype(np.float16)  # d and dmin of each super-block
+            raw[:, :4] = np.frombuffer(d.tobytes(), np.uint8).reshape(64, 4)
         else:
             raw = gguf.quants.quantize(rng.standard_normal((64, 256)).astype(np.float32), qt)
         want = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(64, 256).astype(np.float32))
@@ -61,6 +62,8 @@ def test_gguf_blocks_give_the_dequantized_weights():
         p = pack_groups(g)
         torch.testing.assert_close(p.dequantize(), want, atol=0.01 * want.abs().max().item(), rtol=0)
         assert torch.equal(p.groups().q, g.q)  # the repacked nibbles come back unchanged
+        fused = torch.cat([p, p])  # whole blocks of 64 rows: the bytes just follow
+        assert torch.equal(fused.dequantize(), torch.cat([p.dequantize()] * 2))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -76,7 +79,7 @@ def test_quantize_at_load_holds_the_packed_bytes(folder, mode):
     for p in weights.values():
         n, k = p.shape
         rows = -(-n // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
-        expected += n * k + 2 * n if mode == "int8" else rows * k // 2 + rows * (k // 32) * 2 * 2
+        expected += n * k + 2 * n if p.kind == "int8" else rows * k // 2 + rows * (k // 32) * 2 * 2
     got = held_bytes(m.runner.model) - m.runner.model.rope_cos.nbytes - m.runner.model.rope_sin.nbytes
     assert got == expected, (got, expected)
     assert got < held_bytes(ref.runner.model) / (3 if mode == "int8" else 5)
@@ -87,6 +90,7 @@ def test_quantize_at_load_holds_the_packed_bytes(folder, mode):
     w = ref.runner.model.layers["0"].feed_forward.w2.weight
     torch.testing.assert_close(m.runner.model.layers["0"].feed_forward.w2.weight.dequantize(),
                                quantize(w, mode).dequantize(), atol=0, rtol=0)
+    assert m.runner.model.tok_embeddings.weight.kind == "int8"  # int4 keeps the embedding/head at int8
 
 
 def test_what_cannot_stay_packed(folder, tmp_path):
@@ -113,3 +117,41 @@ def test_generate_quantize_flag(folder, capsys):
 
     assert main(["generate", "--model", str(folder), "--quantize", "int8", "--max-new-tokens", "4", "hi"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_placement_counts_the_packed_bytes(folder, tmp_path):
+    """--max-memory budgets the packed bytes: a budget the float model overflows holds the
+    packed one resident, and the weights placement counted are those the model holds."""
+    path = tmp_path / "m.gguf"
+    write_gguf(folder, path, gguf.GGMLQuantizationType.Q4_0)
+    m = llmsplit.load(path, max_context=32)
+    held = held_bytes(m.runner.model) - m.runner.model.rope_cos.nbytes - m.runner.model.rope_sin.nbytes
+    counted = m.placement.usage["cpu"]["weights"]
+    assert held <= counted <= 1.3 * held, (held, counted)  # fused q/k/v pad fewer rows than each alone
+    budget = m.placement.usage["cpu"]["total"]
+    with pytest.raises(ConfigError):
+        llmsplit.load(path, quantize="none", max_context=32, max_memory={"cpu": budget})
+    assert set(llmsplit.load(path, max_context=32, max_memory={"cpu": budget}).device_map.values()) == {"cpu"}
+
+
+@pytest.mark.slow
+def test_packed_under_tp_pp_and_disk_offload(folder, tmp_path):
+    """--tp 2 --pp 2 shards the packed weights (row-parallel ones along whole groups) and
+    disk offload widens what it writes: the whole packed model's tokens either way."""
+    path = tmp_path / "m.gguf"
+    write_gguf(folder, path, gguf.GGMLQuantizationType.Q4_0)
+    whole = llmsplit.load(path)
+    prompt = [5, 9, 30, 7, 11]
+    want = whole.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    ids = torch.randint(0, whole.config.vocab_size, (1, 12))
+    split = llmsplit.load(path, tp=2, pp=2)
+    try:
+        assert isinstance(split.runner.runner.model.layers["0"].attention.wo.weight, PackedWeight)
+        torch.testing.assert_close(split.logits(ids), whole.logits(ids), atol=0.02, rtol=0.02)
+        assert split.generate(prompt, max_new_tokens=8, ignore_eos=True) == want
+    finally:
+        split.close()
+    off = llmsplit.load(path, device_map={"": "cpu", "layers.1": "disk"}, offload_dir=tmp_path / "off")
+    assert off.device_map["layers.1"] == "disk" and "layers.1.attention.wq.weight" not in _packed_names(off)
+    assert off.generate(prompt, max_new_tokens=8, ignore_eos=True) == want
+    off.close()

@@ -166,7 +166,8 @@ def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16)
     report = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
                                    offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
                                    max_context=args.max_context, max_batch_flag=serving,
-                                   min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None))
+                                   min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None),
+                                   quantize=args.quantize)
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
     print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from ..config import ConfigError
-from ..io.weights import open_weights
+from ..io.weights import open_weights, packed_unit_bytes
 from .distributed import SplitRunner, split_layout, split_spec
 from .engine import Engine, SamplingParams
 from .placement import MODES, Placement, Sizes, detect_budgets, place
@@ -66,12 +66,13 @@ class LoadedModel:
 
 
 def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16,
-              kv_tokens: int | None = None):
+              kv_tokens: int | None = None, quantize: str | None = None):
     """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
     out-of-memory explainer (`diagnose/oom.py`) explains with. `kv_tokens`: the KV pool all
     sequences share (default max_batch full contexts); blocks are taken as tokens arrive and
     the engine preempts when it runs out, so a pool smaller than max_batch × max_context
-    serves max_batch sequences as long as they are shorter on average."""
+    serves max_batch sequences as long as they are shorter on average. Packed units count
+    their packed bytes (`quantize` as `load` takes it)."""
     from ..models.rope import dynamic_rope_limit
 
     # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
@@ -85,7 +86,8 @@ def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size
                           f"tokens; raise --kv-tokens or lower --max-context")
     dtype = _dtype(dtype, source.dtype if torch.cuda.is_available() else torch.float32)
     return dtype, Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize,
-                        kv_dtype_bytes=dtype.itemsize, kv_tokens=kv_tokens)
+                        kv_dtype_bytes=dtype.itemsize, kv_tokens=kv_tokens,
+                        packed_bytes=packed_unit_bytes(source, quantize))
 
 
 def generation_context(prompt_tokens: int, max_new_tokens: int, block_size: int = 16) -> int:
@@ -112,7 +114,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     source = source if source is not None else open_weights(path, what="model path")
     quantize = _quantize_mode(quantize, compile)
     cfg = source.config
-    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens)
+    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize)
     max_context = sizes.context
     # The pool placement budgeted for: kv_tokens, or max_batch full contexts.
     num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-max_context // block_size)

@@ -42,6 +42,9 @@ class Sizes:
     kv_dtype_bytes: int = 4
     reserve: dict = field(default_factory=lambda: dict(DEFAULT_RESERVE))
     kv_tokens: int | None = None  # the KV pool, shared by all sequences (None: batch full contexts)
+    # {unit: bytes} of units whose weights stay packed (int4/int8, `io.weights.packed_unit_bytes`)
+    # while resident; a unit offloaded to disk is widened, so streaming counts its float bytes.
+    packed_bytes: dict = field(default_factory=dict)
 
     @property
     def pool_tokens(self) -> int:
@@ -74,12 +77,13 @@ class Placement:
         return "device map:\n" + "\n".join(lines)
 
 
-def units(cfg: LlamaConfig, dtype_bytes: int) -> list[tuple[str, int]]:
-    """(unit, weight bytes) in model order."""
+def units(cfg: LlamaConfig, dtype_bytes: int, packed: dict | None = None) -> list[tuple[str, int]]:
+    """(unit, weight bytes) in model order; `packed` overrides the bytes of packed units."""
     layer = cfg.layer_params() * dtype_bytes
     emb = cfg.vocab_size * cfg.dim * dtype_bytes
-    return ([("tok_embeddings", emb)] + [(f"layers.{i}", layer) for i in range(cfg.n_layers)]
-            + [("norm", cfg.dim * dtype_bytes), ("output", emb)])
+    out = ([("tok_embeddings", emb)] + [(f"layers.{i}", layer) for i in range(cfg.n_layers)]
+           + [("norm", cfg.dim * dtype_bytes), ("output", emb)])
+    return [(u, (packed or {}).get(u, b)) for u, b in out]
 
 
 def kv_bytes_per_layer(cfg: LlamaConfig, s: Sizes) -> int:
@@ -112,7 +116,7 @@ def place(cfg: LlamaConfig, budgets: dict[str, int | None], mode: str | dict = "
     everything there; a dict {unit or prefix: device} is an explicit map."""
     order = [d for d in budgets if kind(d) not in ("cpu", "disk")] + [d for d in ("cpu", "disk") if d in budgets]
     exec_device = order[0] if order and order[0] != "disk" else "cpu"
-    all_units = units(cfg, sizes.dtype_bytes)
+    all_units = units(cfg, sizes.dtype_bytes, sizes.packed_bytes)
     if isinstance(mode, dict) or mode not in MODES:
         explicit = mode if isinstance(mode, dict) else {"": mode}
         dmap = _explicit_map(all_units, explicit)
@@ -141,7 +145,7 @@ def _offloaded(device: str, exec_device: str) -> bool:
 
 def usage_by_device(cfg: LlamaConfig, dmap: dict[str, str], exec_device: str, s: Sizes) -> dict[str, dict[str, int]]:
     """{device: {"weights", "kv_cache", "workspace", "staging", "reserve": bytes}} under `dmap`."""
-    sizes = dict(units(cfg, s.dtype_bytes))
+    sizes, resident = dict(units(cfg, s.dtype_bytes)), dict(units(cfg, s.dtype_bytes, s.packed_bytes))
     kv = kv_bytes_per_layer(cfg, s)
     usage: dict[str, dict[str, int]] = {}
 
@@ -154,7 +158,8 @@ def usage_by_device(cfg: LlamaConfig, dmap: dict[str, str], exec_device: str, s:
     shared = (cfg.tie_embeddings and dmap.get("output") is not None and dmap.get("output") == dmap.get("tok_embeddings")
               and not _offloaded(dmap["output"], exec_device))
     for unit, dev in dmap.items():
-        charge(dev, "weights", 0 if unit == "output" and shared else sizes[unit])
+        held = sizes[unit] if _offloaded(dev, exec_device) else resident[unit]
+        charge(dev, "weights", 0 if unit == "output" and shared else held)
         runs_on = exec_device if _offloaded(dev, exec_device) else dev
         if _offloaded(dev, exec_device):
             staging = max(staging, sizes[unit])

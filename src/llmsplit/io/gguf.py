@@ -176,14 +176,23 @@ class GGUFWeights:
 
         return expected_names(self.config)
 
-    def read_packed(self, name: str, shard: tuple[int, int, int] | None = None):
-        """The tensor kept packed (`quant.PackedWeight`), straight from its blocks, or None
-        for a type that is widened (`quant.formats` says which and why)."""
+    def packed_kind(self, name: str) -> str | None:
+        """How `read_packed` keeps `name`: "int4", "q8_0", or None (widened)."""
         from .. import quant
 
         t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]
         if t.tensor_type.name not in quant.PACKED_GGUF_TYPES or not quant.is_matmul_weight(name):
             return None
+        return "q8_0" if t.tensor_type.name == "Q8_0" else "int4"
+
+    def read_packed(self, name: str, shard: tuple[int, int, int] | None = None):
+        """The tensor kept packed (`quant.PackedWeight`), straight from its blocks, or None
+        for a type that is widened (`quant.formats` says which and why)."""
+        from .. import quant
+
+        if self.packed_kind(name) is None:
+            return None
+        t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]
         cols, rows = (int(d) for d in t.shape)
         g = quant.from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), rows, cols)
         heads = {"wq": self.config.n_heads, "wk": self.config.n_kv_heads}.get(name.split(".")[-2])

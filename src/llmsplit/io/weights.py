@@ -122,7 +122,7 @@ def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, qu
     w = source.read(name, shard)
     if quantize in ("int8", "int4") and quant.is_matmul_weight(name) and w.dim() == 2:
         try:
-            return quant.quantize(w, quantize)
+            return quant.quantize(w, quant.kind_for(name, quantize))
         except ValueError as e:
             raise ConfigError(f"--quantize {quantize}: {name} {tuple(w.shape)}: {e}; use --quantize int8") from None
     return w
@@ -140,3 +140,31 @@ def read_adapters(cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp_files.load(adapters, ck)
     return adapters["model"]
+
+
+def packed_unit_bytes(source, quantize: str | None) -> dict[str, int]:
+    """{unit: bytes} a load with `quantize` holds for each unit with packed weights, the
+    others float32 (what placement budgets instead of float bytes for those units)."""
+    from .. import quant
+    from ..models.weight_shapes import parameter_shapes
+
+    if quantize == "none":
+        return {}
+    out: dict[str, int] = {}
+    packed_units = set()
+    for name, shape in parameter_shapes(source.config):
+        unit = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
+        kind = source.packed_kind(name) if hasattr(source, "packed_kind") else None
+        if kind is None and quantize in ("int8", "int4") and quant.is_matmul_weight(name) and len(shape) == 2:
+            kind = quant.kind_for(name, quantize)
+        if kind is not None:
+            packed_units.add(unit)
+        out[unit] = out.get(unit, 0) + (quant.packed_nbytes(shape, kind) if kind else 4 * _numel(shape))
+    return {u: b for u, b in out.items() if u in packed_units}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -119,6 +119,9 @@ def _cat(tensors, dim=0):
         return torch.cat([t.dequantize() if isinstance(t, PackedWeight) else t for t in tensors], dim)
     if first.kind == "int8":
         return PackedWeight.int8(torch.cat([t.packed for t in tensors]), torch.cat([t.scales for t in tensors]))
+    if all(t.packed.shape[0] == t.shape[0] for t in tensors):  # no padded rows: the blocks of rows just follow
+        return PackedWeight("int4", torch.cat([t.packed for t in tensors]), torch.cat([t.scales for t in tensors], 1),
+                            (sum(t.shape[0] for t in tensors), first.shape[1]), first.group, first.doubled)
     parts = [t.groups() for t in tensors]
     return PackedWeight.from_groups(Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                                            torch.cat([p.zero for p in parts]), first.group, first.doubled))
