@@ -172,7 +172,7 @@ def main(quick: bool = False) -> dict:
             source, label = _random_llama(tmp), "random Llama, 4 layers, dim 256"
             hf = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32)
         hf.eval()
-        ours = llmsplit.load(str(source), max_batch=16, max_context=256)
+        ours = llmsplit.load(str(source), max_batch=16, max_context=256, quantize="none")  # fp32, as transformers
         ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
         _time_ours(ours, [PROMPT], 4), _time_transformers(hf, ids, 4)  # warm-up both
         mine, theirs = [], []

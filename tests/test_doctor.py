@@ -52,37 +52,41 @@ def test_plot_writes_non_empty_pngs(tmp_path):
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
 
 
-def test_openmp_wait_policy_defaults_apply_only_where_the_user_chose_none(monkeypatch):
-    """llmsplit's processes and workers get a short libgomp spin (issue 23: the default spin
-    made 2-thread decode collapse when the cores were shared); a user's own choice is kept."""
-    import os
-    import subprocess
-    import sys
+def test_the_thread_tuner_keeps_the_faster_count_and_backs_off(monkeypatch):
+    """Decode picks its thread count as it runs (issue 23: with libgomp's spinning barriers,
+    2 threads collapsed when another process wanted the cores, and no fixed wait policy kept
+    the quiet machine's speed): a few steps at the other count, kept when clearly faster; a
+    trial that loses doubles the wait before the next. Steps timed here are synthetic: the
+    speeds of 2 threads and 1 under contention, then on a quiet machine."""
+    import torch
 
     from llmsplit import threads
-    from llmsplit.launch.workers import prepare_workers
+    from llmsplit.infer import thread_tuner
 
-    assert threads.wait_policy_defaults({}) == threads.DEFAULTS
-    assert threads.wait_policy_defaults({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
-    assert threads.wait_policy_defaults({"GOMP_SPINCOUNT": "5"}) == {}
-    for key in threads.USER_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    assert prepare_workers(2)[1].items() >= threads.DEFAULTS.items()
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert "GOMP_SPINCOUNT" not in prepare_workers(2)[1]
-    # The command line sets them before torch is first imported (libgomp reads them once, then).
-    spy = ("import os, sys\n"
-           "class Spy:\n"
-           "    def find_spec(self, name, path=None, target=None):\n"
-           "        if name == 'torch' and 'seen' not in globals():\n"
-           "            globals()['seen'] = os.environ.get('GOMP_SPINCOUNT')\n"
-           "sys.meta_path.insert(0, Spy())\n"
-           "import llmsplit.cli\n"
-           "print(seen)\n")
-    env = {k: v for k, v in os.environ.items() if k not in threads.USER_KEYS}
-    out = subprocess.run([sys.executable, "-c", spy], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == [threads.DEFAULTS["GOMP_SPINCOUNT"]], out.stderr
-    out = subprocess.run([sys.executable, "-c", spy], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True)
-    assert out.stdout.split() == ["7"], out.stderr
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    tuner = thread_tuner.ThreadTuner(threads=2)
+    assert tuner.enabled and tuner.current == 2
+    speed = {2: 0.25, 1: 0.04}  # seconds a step: 2 spinning threads beside another job, 1 thread
+
+    def run(steps):
+        for _ in range(steps):
+            tuner.record(speed[chosen[-1] if chosen else 2], shape=1)
+
+    run(20)
+    assert tuner.current == 1 and tuner.switches == 1  # contention: one thread is faster
+    speed = {2: 0.03, 1: 0.04}  # the other job ended
+    run(200)
+    assert tuner.current == 2 and tuner.switches == 2
+    period = tuner._period
+    run(2000)  # quiet: trials of one thread lose, and come ever more rarely
+    assert tuner.current == 2 and tuner.switches == 2 and tuner._period > period
+    assert tuner._period == thread_tuner.MAX_PERIOD_S
+    tuner.record(0.5, shape=4)  # another batch size: not compared with the steps before
+    assert tuner.current == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice: left alone
+    assert not thread_tuner.ThreadTuner(threads=2).enabled
+    assert not thread_tuner.ThreadTuner(threads=1).enabled
     assert threads.oversubscription(cores=2, load=1.5) is None
     assert "load average 5.0 on 2 cores" in threads.oversubscription(cores=2, load=5.0)

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from . import threads
-
-threads.apply_defaults()  # before anything imports torch: libgomp reads them once, at load
-
-from .cli_args import build_parser  # noqa: E402
-from .config import ConfigError  # noqa: E402
-from .launch import LaunchError  # noqa: E402
+from .cli_args import build_parser
+from .config import ConfigError
+from .launch import LaunchError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,53 +1,24 @@
-"""OpenMP settings for the processes llmsplit starts: how long idle threads spin.
+"""Whether other processes compete for this machine's cores, for `llmsplit doctor`.
 
-PyTorch's CPU build runs its parallel regions on libgomp, whose threads spin between regions
-(GOMP_SPINCOUNT, 300,000 pause loops by default, milliseconds on current CPUs) before they
-sleep. A decode step is hundreds of short regions, so on a quiet machine the spin saves a
-wake-up each time; but when other processes want the cores, a thread that spins burns the
-time slice its partner needs to reach the barrier, and 2-thread decode slowed 5-25x (issue
-23). The value below was chosen by `python -m benchmarks threads` (BENCHMARKS.md, the
-"Decode under CPU contention" table): it keeps the quiet-machine speed and removes the
-collapse. docs/serving.md explains the trade-off.
-
-libgomp reads these variables once, when torch is first imported, so they are applied where
-llmsplit owns the process before that: at the top of the command line (`llmsplit.cli`), and
-in the environment of the workers it starts (`launch.prepare_workers`). A user who sets any
-of them keeps exactly what they set. Pure standard library: imported before torch.
+PyTorch's CPU build runs its parallel regions on libgomp, whose threads spin at each barrier
+(GOMP_SPINCOUNT, 300,000 pause loops by default) before they sleep. When other processes
+want the cores, a spinning thread burns the time slice its partner needs, and 2-thread
+decode slowed 3-9x (issue 23; `python -m benchmarks threads`). Decode copes by itself
+(`infer/thread_tuner.py` drops to one thread while that is faster); `doctor` says when the
+machine is oversubscribed and which wait policy the user set. Pure standard library.
 """
 
 from __future__ import annotations
 
 import os
 
-# What llmsplit sets when the user set none of USER_KEYS.
-DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
-# Any of these set by the user means they chose a policy: llmsplit then adds nothing.
-USER_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def wait_policy_defaults(environ=None) -> dict[str, str]:
-    """The variables to add to `environ` (default: this process's): DEFAULTS, or nothing
-    when the user chose a policy."""
-    environ = os.environ if environ is None else environ
-    return {} if any(k in environ for k in USER_KEYS) else dict(DEFAULTS)
-
-
-# What apply_defaults set in this process (so that `doctor` can tell it from the user's).
-applied: dict[str, str] = {}
-
-
-def apply_defaults() -> dict[str, str]:
-    """Set the defaults in this process's environment (before torch is imported for them to
-    count); returns what was set."""
-    added = wait_policy_defaults()
-    os.environ.update(added)
-    applied.update(added)
-    return added
+# The variables that set libgomp's wait policy (read once, when torch is first imported).
+POLICY_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def oversubscription(cores: int | None = None, load: float | None = None) -> str | None:
     """A sentence when more runnable processes than cores compete for this machine (the
-    1-minute load average), else None: what `llmsplit doctor` warns about."""
+    1-minute load average), else None."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if load is None else load

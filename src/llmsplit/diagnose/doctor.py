@@ -161,18 +161,17 @@ def _resource_checks() -> list[Check]:
 
 
 def _contention_check() -> Check:
-    """Other processes competing for the cores slow every parallel region (issue 23: 5-25x
-    for 2-thread decode under libgomp's default spin); llmsplit's wait policy softens it."""
-    chosen = {k: os.environ[k] for k in threads.USER_KEYS if k in os.environ and k not in threads.applied}
-    policy = ", ".join(f"{k}={v}" for k, v in chosen.items()) or "llmsplit's default " + ", ".join(
-        f"{k}={v}" for k, v in threads.DEFAULTS.items())
+    """Other processes competing for the cores slow every parallel region (issue 23: 3-9x
+    for 2-thread decode under libgomp's default spin)."""
+    chosen = {k: os.environ[k] for k in threads.POLICY_KEYS if k in os.environ}
+    policy = ", ".join(f"{k}={v}" for k, v in chosen.items()) or "libgomp's default (spin)"
     busy = threads.oversubscription()
     if busy is None:
         return Check("OK", "cpu load", f"{os.getloadavg()[0]:.1f} (1-minute load average); OpenMP wait policy {policy}")
     return Check("WARN", "cpu load", f"{busy}; OpenMP wait policy {policy}",
                  "runs here will be slower than on a quiet machine: stop the other jobs, or give each fewer "
-                 "threads (OMP_NUM_THREADS); if you set OMP_WAIT_POLICY=ACTIVE or a large GOMP_SPINCOUNT, "
-                 "unset it (docs/serving.md, 'Threads')")
+                 "threads (generate and serve drop to one thread by themselves while that is faster, unless "
+                 "OMP_NUM_THREADS is set; docs/serving.md, 'Threads')")
 
 
 def format_checks(checks: list[Check]) -> str:

@@ -11,6 +11,7 @@ bookkeeping would only add per-op overhead to every decode step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,6 +25,7 @@ from ..models.rope import model_rope_tables
 from .kv_cache import PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
+from .thread_tuner import ThreadTuner
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
 
 # Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
@@ -142,6 +144,10 @@ class Runner:
                     m.register_forward_hook(self._all_reduce)
         self.model = model.eval()
         self.input_device = first
+        # Decode on the CPU picks its thread count as it runs (thread_tuner.py); tensor-parallel
+        # pieces keep theirs (their ranks step together) and CUDA steps are timed by the host.
+        self.tuner = ThreadTuner()
+        self.tuner.enabled &= exec_device.type == "cpu" and spec.tp_size == 1 and not spec.layers
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
         self._decode = self._compiled_decode() if spec.compile else None
@@ -207,7 +213,7 @@ class Runner:
         x = tokens.to(self.input_device)
         if step is None:
             return self.model(x, last_only=last_only)
-        forward = self.model
+        forward, started = self.model, time.perf_counter()
         # Compiled: one-token decode steps. A batch always takes the masked form, so one graph
         # serves it whatever its size and positions. A single sequence passes its position as
         # an int, which dynamo would specialize at 0 and 1: positions below 2 run eager.
@@ -217,7 +223,10 @@ class Runner:
                 step = step.per_sequence()
                 self.cache.set_step(step)
         start = step.start if isinstance(step.start, int) else step.start.to(self.input_device)
-        return forward(x, kv_cache=self.cache, start_pos=start, last_only=last_only)
+        out = forward(x, kv_cache=self.cache, start_pos=start, last_only=last_only)
+        if x.shape[1] == 1:  # a decode step: what the thread count is tuned on
+            self.tuner.record(time.perf_counter() - started, x.shape[0])
+        return out
 
     def close(self) -> None:
         if self.offloader is not None:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..threads import wait_policy_defaults
 
 
 class LaunchError(RuntimeError):
@@ -189,14 +188,12 @@ def failure_error(failures: dict, doing: str = "") -> LaunchError:
 def prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
     """What every start of local workers shares (`launch` and `Followers`): torch's elastic
     logging at warnings, the malloc policy, the start method, and each worker's thread
-    count and OpenMP wait policy (`llmsplit.threads`), returned as the environment that
-    carries them: the cores shared among the workers instead of every worker taking all of
-    them; values the user exported are kept."""
+    count, returned as the environment that carries it: the cores shared among the workers
+    instead of every worker taking all of them; values the user exported are kept."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     omp = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     _small_mmap_threshold()
-    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": os.environ.get("LLMSPLIT_THREADS", omp),
-                            **wait_policy_defaults()}
+    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": os.environ.get("LLMSPLIT_THREADS", omp)}
 
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
