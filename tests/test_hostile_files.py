@@ -266,3 +266,42 @@ def test_a_well_formed_run_folder_loads(tmp_path):
 def test_a_run_folder_whose_config_disagrees_with_its_checkpoint_is_refused(tmp_path, capsys, model, words):
     err = refused(capsys, "generate", "--model", str(run_folder(tmp_path / "bad", **model)), "hi")
     assert all(w in err for w in words), err
+
+
+def test_checkpoint_metadata_pickled_with_enums_by_name_loads_and_other_getattrs_do_not(tmp_path):
+    """Some Pythons (Debian's 3.11.2) pickle an enum member as getattr(EnumClass, name), so a
+    checkpoint's .metadata calls builtins.getattr for the tensors' memory format: README line
+    1 failed there ("refers to builtins.getattr"). The metadata reader accepts that for DCP's
+    own enums only; getattr on anything else is still refused."""
+    import enum
+    import io
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint.metadata as m
+
+    from llmsplit.io.dcp_files import UnsafeCheckpoint, read_metadata
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    def write(obj):
+        buf = io.BytesIO()
+        ByName(buf, protocol=4).dump(obj)
+        (tmp_path / ".metadata").write_bytes(buf.getvalue())
+        return buf.getvalue()
+
+    tensor = m.TensorStorageMetadata(m.TensorProperties(dtype=torch.float32), torch.Size([2]), [])
+    assert b"getattr" in write(m.Metadata(state_dict_metadata={"w": tensor}))
+    assert read_metadata(tmp_path).state_dict_metadata["w"].size == torch.Size([2])
+
+    class Sneaky:
+        def __reduce__(self):
+            return getattr, (m.Metadata, "__init__")
+
+    write(m.Metadata(state_dict_metadata={"w": tensor}, planner_data=Sneaky()))
+    with pytest.raises(UnsafeCheckpoint, match="calls getattr on"):
+        read_metadata(tmp_path)

@@ -11,6 +11,7 @@ DCP's own metadata classes and torch's sizes and dtypes, and the values go throu
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from contextlib import contextmanager
@@ -44,8 +45,21 @@ def _allowed(module: str, name: str) -> bool:
     }
 
 
+def _enum_member(cls, name: str):
+    """What `builtins.getattr` may do in a checkpoint's metadata: name a member of one of DCP's
+    own enums (tensors' memory format). Some Pythons (Debian's 3.11.2, for one) pickle an
+    enum member as getattr(EnumClass, name); a plain getattr would let a file reach any
+    attribute of anything the unpickler accepts."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == dcp_metadata.__name__
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise UnsafeCheckpoint(f"{METADATA_FILE} calls getattr on {cls!r}, which a checkpoint never does")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if not _allowed(module, name):
             raise UnsafeCheckpoint(f"{METADATA_FILE} refers to {module}.{name}, which a checkpoint never contains")
         return super().find_class(module, name)
