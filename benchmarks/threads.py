@@ -43,7 +43,8 @@ def decode_rate(source: str, threads: int, seconds: float, new: int, forever: bo
     from llmsplit.infer.engine import SamplingParams
 
     torch.set_num_threads(threads)
-    model = llmsplit.load(source, device_map="cpu", max_batch=1, max_context=new + 16)
+    # As `llmsplit generate` loads (the tuner turns itself off where OMP_NUM_THREADS is set).
+    model = llmsplit.load(source, device_map="cpu", max_batch=1, max_context=new + 16, tune_threads=True)
     ids = model.tokenizer.encode("The capital of France is")
     model.generate(ids, max_new_tokens=4, ignore_eos=True)  # warm-up
     while True:

@@ -106,7 +106,7 @@ def placement_mode(device_map):
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
          quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
-         max_num_batched_tokens: int | None = None, source=None) -> LoadedModel:
+         max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
@@ -134,7 +134,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         if "disk" in placement.device_map.values() and offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
-                                          offload_dir=offload_dir, compile=compile, quantize=quantize))
+                                          offload_dir=offload_dir, compile=compile, quantize=quantize,
+                                          tune_threads=tune_threads))
         dmap = dict(placement.device_map)
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:

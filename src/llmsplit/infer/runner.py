@@ -47,6 +47,7 @@ class PieceSpec:
     offload_dir: str | None = None
     layers: list[int] = field(default_factory=list)  # empty: all
     compile: bool = False  # torch.compile the one-token decode step
+    tune_threads: bool = False  # choose the thread count as it decodes (thread_tuner.py)
     quantize: str | None = None  # io.weights.read_weight: which weights stay packed
 
 
@@ -144,10 +145,12 @@ class Runner:
                     m.register_forward_hook(self._all_reduce)
         self.model = model.eval()
         self.input_device = first
-        # Decode on the CPU picks its thread count as it runs (thread_tuner.py); tensor-parallel
-        # pieces keep theirs (their ranks step together) and CUDA steps are timed by the host.
+        # Decode on the CPU picks its thread count as it runs (thread_tuner.py) in the processes
+        # llmsplit owns (generate, serve): a library caller's torch threads are its own.
+        # Tensor-parallel pieces keep theirs (their ranks step together); CUDA steps are not timed.
         self.tuner = ThreadTuner()
-        self.tuner.enabled &= exec_device.type == "cpu" and spec.tp_size == 1 and not spec.layers
+        self.tuner.enabled &= (spec.tune_threads and exec_device.type == "cpu" and spec.tp_size == 1
+                               and not spec.layers)
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
         self._decode = self._compiled_decode() if spec.compile else None

@@ -16,7 +16,8 @@ steps ends there, so a steady machine, quiet or loaded, pays little for the tria
 
 libgomp reads its variables once, at start-up, so only the thread count can change on the
 fly; a user who set OMP_NUM_THREADS (or called torch.set_num_threads to 1) keeps exactly
-that: the tuner is off.
+that: the tuner is off. It runs in `generate` and `serve` (`load(tune_threads=True)`), not
+in a library caller's process, whose torch thread count is the caller's.
 """
 
 from __future__ import annotations
