@@ -72,3 +72,12 @@ def transformers_loss(folder, step: int = 0) -> float:
     with torch.no_grad():
         logits = hf_model(folder)(batch[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+def greedy_tokens(m, prompt: list[int], n: int = 8) -> list[int]:
+    """`n` greedy tokens of a loaded model (`llmsplit.load`) after `prompt`, EOS ignored."""
+    from llmsplit.infer.engine import SamplingParams
+
+    seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
+    m.engine.generate([seq])
+    return seq.tokens

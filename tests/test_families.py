@@ -14,8 +14,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from helpers import assert_close_losses, losses, run_cli, train  # noqa: E402
-from hf_models import hf_model, make_hf_folder, transformers_loss  # noqa: E402
-from llmsplit.infer.engine import SamplingParams  # noqa: E402
+from hf_models import greedy_tokens, hf_model, make_hf_folder, transformers_loss  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
 
 # Qwen3's head_dim (24) is not hidden / heads (16), as in the real ones (1024 / 16 heads of 128).
@@ -53,12 +52,6 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(2, vocab, (2, 13), generator=torch.Generator().manual_seed(0))
 
 
-def _greedy(m, prompt, n=8):
-    seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
-    m.engine.generate([seq])
-    return seq.tokens
-
-
 def test_logits_and_tokens_match_transformers(family):
     arch, folder = family
     ref, m = hf_model(folder), llmsplit.load(folder)
@@ -67,7 +60,7 @@ def test_logits_and_tokens_match_transformers(family):
     with torch.no_grad():
         torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
         want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
-    assert _greedy(m, ids[0].tolist()) == want.tolist()  # through the fused decode path and the KV cache
+    assert greedy_tokens(m, ids[0].tolist()) == want.tolist()  # through the fused decode path and the KV cache
 
 
 def test_gemma_features_change_the_logits(family, tmp_path):
@@ -121,12 +114,12 @@ def test_split_over_workers_fine_tuned_and_exported(family, tmp_path):
         pytest.skip("covered by the families that share its features")
     whole = llmsplit.load(folder, device_map="cpu")
     ids = _ids(whole.config.vocab_size)
-    want = whole.logits(ids), [_greedy(whole, p) for p in ([5, 17, 42, 99], [12, 8, 300])]
+    want = whole.logits(ids), [greedy_tokens(whole, p) for p in ([5, 17, 42, 99], [12, 8, 300])]
     if arch in SPLIT:
         split = llmsplit.load(folder, tp=2, pp=2)  # tensor and pipeline workers at once
         try:
             torch.testing.assert_close(split.logits(ids), want[0], atol=1e-5, rtol=0)
-            assert [_greedy(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
+            assert [greedy_tokens(split, p) for p in ([5, 17, 42, 99], [12, 8, 300])] == want[1]
         finally:
             split.close()
     # Fine-tuning with tensor-parallel loads (rows of q/k/v and gate/up, columns of o and down).

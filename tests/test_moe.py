@@ -85,8 +85,7 @@ transformers = pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from helpers import assert_close_losses, losses, run_cli, train  # noqa: E402
-from hf_models import hf_model, make_hf_folder, transformers_loss  # noqa: E402
-from llmsplit.infer.engine import SamplingParams  # noqa: E402
+from hf_models import greedy_tokens, hf_model, make_hf_folder, transformers_loss  # noqa: E402
 
 MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
        "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 24,
@@ -99,12 +98,6 @@ def family(request, tmp_path_factory):
     return arch, make_hf_folder(tmp_path_factory.mktemp(arch) / arch, arch=arch, num_hidden_layers=2, **MOE[arch])
 
 
-def _greedy(m, prompt, n=8):
-    seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
-    m.engine.generate([seq])
-    return seq.tokens
-
-
 def test_moe_folders_match_transformers(family):
     arch, folder = family
     ref, m = hf_model(folder), llmsplit.load(folder)
@@ -114,7 +107,7 @@ def test_moe_folders_match_transformers(family):
     with torch.no_grad():
         torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
         want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
-    assert _greedy(m, ids[0].tolist()) == want.tolist()
+    assert greedy_tokens(m, ids[0].tolist()) == want.tolist()
 
 
 @pytest.mark.slow
