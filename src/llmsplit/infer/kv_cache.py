@@ -123,30 +123,29 @@ class BlockPool:
     def chunk(self, seq_id: int, start: int, n: int) -> "Step":
         """The step that writes tokens [start, start + n) of one sequence (its blocks already
         taken): a prefill chunk after what its cache holds."""
-        pos = torch.arange(start + n)
-        gather = (torch.tensor(self.tables[seq_id])[pos // self.block_size] * self.block_size
-                  + pos % self.block_size)[None]
+        gather = self._gather([seq_id], start + n)
         return Step(start, gather[0, start:].clone(), gather, None)
 
     def step(self, seq_ids: list[int], n_new: int) -> "Step":
         """The step that writes the last n_new tokens of each sequence (already appended)."""
         # Built from Python lists in a few tensor ops: it runs once per decoded token.
-        bs = self.block_size
         lengths = [self.lengths[s] for s in seq_ids]
         starts = [n - n_new for n in lengths]
-        width = max(lengths)
-        blocks = self.blocks_for(width)
-        tables = torch.tensor([self.tables[s] + [0] * (blocks - len(self.tables[s])) for s in seq_ids])
-        # [b, width]: slot of each key position (padding points at block 0). Built at exactly
-        # [b, width] with strides (width, 1) whatever the batch: a compiled decode step guards
-        # on strides, and a [1, width] slice of a wider tensor is "contiguous" with a stride
-        # that changes every block (issue 23: a recompile on the first real request).
-        pos = torch.arange(width)
-        gather = tables[:, pos // bs] * bs + pos % bs
+        gather = self._gather(seq_ids, max(lengths))
         if all(st == starts[0] for st in starts):
             # Every sequence at the same position (so all end at width): the model's own causal rules apply.
             return Step(starts[0], gather[:, starts[0]:].flatten().clone(), gather, None)
         return Step.masked(torch.tensor(starts), n_new, gather)
+
+    def _gather(self, seq_ids: list[int], width: int) -> torch.Tensor:
+        """[b, width]: the pool slot of each key position (padding points at block 0). Built at
+        exactly [b, width] with strides (width, 1) whatever the batch: a compiled decode step
+        guards on strides, and a [1, width] slice of a wider tensor is "contiguous" with a
+        stride that changes every block (issue 23: a recompile on the first real request)."""
+        bs, blocks = self.block_size, self.blocks_for(width)
+        tables = torch.tensor([self.tables[s] + [0] * (blocks - len(self.tables[s])) for s in seq_ids])
+        pos = torch.arange(width)
+        return tables[:, pos // bs] * bs + pos % bs
 
 
 @dataclass
