@@ -307,7 +307,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert metrics(server)["kv_blocks_used"] > 0  # it is generating now
-    after = wait_idle(server)  # leaving the `with` closed the connection mid-stream
+    after = wait_idle(server, timeout=2)  # leaving the `with` closed the connection mid-stream: freed at once
     assert after["kv_blocks_used"] == 0
     assert after["generated_tokens_total"] - before["generated_tokens_total"] < LONG  # aborted, not run to the end
     assert after["requests_finished_total"] == before["requests_finished_total"]
@@ -318,7 +318,7 @@ def test_a_client_timing_out_on_a_plain_request_frees_its_blocks(server):
     body = {"model": "llama", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.2)
-    after = wait_idle(server)
+    after = wait_idle(server, timeout=2)
     assert after["kv_blocks_used"] == 0
     assert after["generated_tokens_total"] - before["generated_tokens_total"] < LONG
 
@@ -366,6 +366,29 @@ def test_full_queue_gets_429_and_sigterm_drains(folder, tmp_path):
         spin.join(10)
         assert spun["r"].status_code == 400 and spun["r"].json()["error"]["code"] == "request_timeout"
         assert "stopped after answering" in log.read_text()
+
+
+def test_sigterm_aborts_what_outlasts_the_drain_timeout(folder, tmp_path):
+    with live_server(folder, tmp_path, "--drain-timeout", "0.5") as (url, proc, log):
+        body = {"prompt": "x", "max_tokens": LONG, "ignore_eos": True}
+        plain = {}
+        asking = threading.Thread(target=lambda: plain.update(r=httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60)))
+        asking.start()
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            wait_for(lambda: metrics(url)["requests_running"] == 2)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in (first, *lines) if line]
+        asking.join(30)
+        assert proc.wait(30) == 0, log.read_text()
+        took = time.monotonic() - signalled
+    # Both were cut at the deadline, each told so: the stream by an error event, the plain one by a 503.
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], rest[-3:]
+    assert plain["r"].status_code == 503 and "shutting down" in plain["r"].json()["error"]["message"]
+    assert took < 5, took
 
 
 @pytest.mark.slow

@@ -81,46 +81,66 @@ def test_abort_returns_blocks_wherever_the_sequence_is(model):
 def test_scheduler_bounds_the_queue_and_answers_each_request_once(model):
     sched = Scheduler(model.engine, max_queue=2)
     events, lock = [], threading.Lock()
+    ids = model.tokenizer.encode("x = 1")
 
-    def request(n):
-        seq = model.engine.new_sequence(model.tokenizer.encode("x = 1"), SamplingParams(n, ignore_eos=True))
-        req = Request([seq], lambda ev, seq=seq: (lock.acquire(), events.append((seq.id, ev[0])), lock.release()))
-        return req, seq
+    def submit(n):
+        sink = lambda ev: (lock.acquire(), events.append((ev[2].id if ev[0] == "finish" else None, ev[0])),  # noqa: E731
+                           lock.release())
+        req = sched.submit([ids], SamplingParams(n, ignore_eos=True), sink)
+        return req, req.seqs[0]
 
-    reqs = [request(30) for _ in range(5)]  # 3 run + 2 wait: the most this scheduler holds
-    for r, _ in reqs:
-        sched.submit(r)
+    reqs = [submit(30) for _ in range(5)]  # 3 run + 2 wait: the most this scheduler holds
     with pytest.raises(QueueFull):
-        sched.submit(request(30)[0])
-    sched.cancel(reqs[4][0])  # still in the inbox or already waiting: either way it leaves
+        submit(30)
+    sched.abort(reqs[4][0])  # still in the inbox or already waiting: either way it leaves
     sched.start()
-    sched.cancel(reqs[0][0])
+    sched.abort(reqs[0][0])
     deadline = time.monotonic() + 60
-    while sched.counts()["running"] + sched.counts()["waiting"] and time.monotonic() < deadline:
+    while sched.stats()["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     sched.stop()
-    ids = [s.id for _, s in reqs]
-    outcomes = {i: [ev for sid, ev in events if sid == i] for i in ids}
-    assert all(outcomes[i] == ["finish"] for i in ids[1:4]), outcomes
+    seq_ids = [s.id for _, s in reqs]
+    outcomes = {i: [ev for sid, ev in events if sid == i] for i in seq_ids}
+    assert all(outcomes[i] == ["finish"] for i in seq_ids[1:4]), outcomes
     assert all(len(s.tokens) == 30 for _, s in reqs[1:4])
-    assert outcomes[ids[4]] == [] and outcomes[ids[0]] in ([], ["finish"])  # a cancelled request hears nothing more
-    assert sched.counts() == {"running": 0, "waiting": 0, "kv_blocks_used": 0,
-                              "kv_blocks_total": model.engine.pool.num_blocks}
+    assert outcomes[seq_ids[4]] == [] and outcomes[seq_ids[0]] in ([], ["finish"])  # an aborted request hears nothing more
+    stats = sched.stats()
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
+    assert stats["kv_blocks_total"] == model.engine.pool.num_blocks
 
 
 def test_stop_fails_what_is_in_flight_and_frees_it(model):
     sched = Scheduler(model.engine, max_queue=4)
     got = []
-    seq = model.engine.new_sequence(model.tokenizer.encode("x"), SamplingParams(60, ignore_eos=True))
     sched.start()
-    sched.submit(Request([seq], got.append))
+    seq = sched.submit([model.tokenizer.encode("x")], SamplingParams(60, ignore_eos=True), got.append).seqs[0]
     while not seq.tokens:
         time.sleep(0.01)
     sched.stop()
     assert got == [("error", "the server is shutting down")]
     assert model.engine.pool.free_blocks == model.engine.pool.num_blocks and not model.engine.busy
     with pytest.raises(QueueFull):
-        sched.submit(Request([seq], got.append))
+        sched.submit([[1]], SamplingParams(2), got.append)
+
+
+def test_drain_lets_short_requests_finish_and_aborts_the_rest_at_the_deadline(model, monkeypatch):
+    sched = Scheduler(model.engine, max_queue=4)
+    got, step = [], model.engine.step
+    # 20 ms a step: the 60-token request outlasts the 0.3 s deadline, the 2-token one does not.
+    monkeypatch.setattr(model.engine, "step", lambda: (time.sleep(0.02), step())[1])
+    sched.start()
+    prompt = model.tokenizer.encode("x")
+    short = sched.submit([prompt], SamplingParams(2, ignore_eos=True), got.append).seqs[0]
+    sched.submit([prompt], SamplingParams(60, ignore_eos=True), got.append)
+    sched.drain(0.3)
+    with pytest.raises(QueueFull, match="shutting down"):
+        sched.submit([prompt], SamplingParams(2), got.append)
+    deadline = time.monotonic() + 30
+    while sched.stats()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sched.stop()
+    assert got == [("finish", 0, short), ("error", "the server is shutting down")]
+    assert sched.stats()["kv_blocks_used"] == 0 and sched.failed_requests == 1
 
 
 def test_chat_template_from_the_tokenizer_files(folder, tmp_path):

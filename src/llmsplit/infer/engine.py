@@ -179,6 +179,19 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict:
+        """What the engine holds and has done, for the server's /metrics and /health (read on
+        the engine's own thread: the scheduler hands out a copy)."""
+        pool = self.pool
+        reserved, used = pool.usage()
+        return {"running": len(self.running), "queued": len(self.waiting),
+                "preempted": sum(s.preemptions > 0 for s in self.waiting),
+                "kv_blocks_used": pool.num_blocks - pool.free_blocks, "kv_blocks_total": pool.num_blocks,
+                "kv_tokens_reserved": reserved, "kv_tokens_used": used,
+                "prefix_cache_queries": pool.query_tokens, "prefix_cache_hits": pool.hit_tokens,
+                "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+                "prompt_tokens": self.prompt_tokens, "generated_tokens": self.sampled_tokens}
+
     def step(self) -> list[Sequence]:
         """Admit what fits, prefill it (in chunks under `max_num_batched_tokens`), decode one
         token for every running sequence whose prompt is in; returns the sequences that

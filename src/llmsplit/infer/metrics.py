@@ -45,7 +45,7 @@ class _Live:
 
     def collect(self):
         s = self.server
-        c = s.scheduler.counts()
+        c = s.scheduler.stats()
         statuses = CounterMetricFamily("llmsplit_http_responses", "HTTP responses sent, by status code.",
                                        labels=["status"])
         for status, n in sorted(s.statuses.items()):
@@ -59,22 +59,26 @@ class _Live:
                    s.off_loop.active),
                   ("requests_running", "Sequences in the running batch.", c["running"]),
                   ("requests_waiting", "Sequences accepted and waiting for a batch slot (queue length).", c["waiting"]),
+                  ("requests_preempted", "Waiting sequences that were preempted (to be recomputed).", c["preempted"]),
                   ("kv_blocks_used", "KV-cache blocks held by sequences.", c["kv_blocks_used"]),
                   ("kv_blocks_total", "KV-cache blocks in the pool.", c["kv_blocks_total"]),
-                  ("generated_tokens_per_second", "Tokens sampled per second over the last 10 s.",
-                   s.scheduler.tokens_per_s())]
+                  ("kv_usage", "Share of the KV-cache pool held by sequences.",
+                   c["kv_blocks_used"] / c["kv_blocks_total"]),
+                  ("kv_tokens_reserved", "Token slots of the blocks held by sequences.", c["kv_tokens_reserved"]),
+                  ("kv_tokens_used", "Tokens those blocks hold (the rest is the waste of last blocks).",
+                   c["kv_tokens_used"]),
+                  ("generated_tokens_per_second", "Tokens sampled per second over the last 10 s.", c["tokens_per_s"])]
         for name, help_text, value in gauges:
             yield GaugeMetricFamily(f"llmsplit_{name}", help_text, value=value)
-        yield CounterMetricFamily("llmsplit_prompt_tokens", "Prompt tokens prefilled.", value=s.engine.prompt_tokens)
-        yield CounterMetricFamily("llmsplit_generated_tokens", "Tokens sampled.", value=s.engine.sampled_tokens)
-        pool = s.engine.pool
-        yield CounterMetricFamily("llmsplit_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=pool.query_tokens)
-        yield CounterMetricFamily("llmsplit_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
-                                  value=pool.hit_tokens)
+        counters = [("prompt_tokens", "Prompt tokens prefilled.", "prompt_tokens"),
+                    ("generated_tokens", "Tokens sampled.", "generated_tokens"),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+                     "prefix_cache_hits"),
+                    ("preemptions", "Sequences preempted for want of KV blocks (recomputed later).", "preemptions"),
+                    ("recomputed_tokens", "Tokens prefilled again after a preemption.", "recomputed_tokens")]
+        for name, help_text, key in counters:
+            yield CounterMetricFamily(f"llmsplit_{name}", help_text, value=c[key])
+        queries = c["prefix_cache_queries"]
         yield GaugeMetricFamily("llmsplit_prefix_cache_hit_rate", "Prompt tokens found cached over those looked up.",
-                                value=pool.hit_tokens / pool.query_tokens if pool.query_tokens else 0.0)
-        yield CounterMetricFamily("llmsplit_preemptions", "Sequences preempted for want of KV blocks (recomputed later).",
-                                  value=s.engine.preemptions)
-        yield CounterMetricFamily("llmsplit_recomputed_tokens", "Tokens prefilled again after a preemption.",
-                                  value=s.engine.recomputed_tokens)
+                                value=c["prefix_cache_hits"] / queries if queries else 0.0)

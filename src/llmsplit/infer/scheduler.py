@@ -1,12 +1,13 @@
 """Continuous batching for a server: one thread owns the engine and steps it while any
 request is alive; requests arrive and leave between steps.
 
-HTTP handlers run on an event loop and must never wait on the model, so they only hand
-requests to this thread (`submit`) or withdraw them (`cancel`); the thread adds them to the
-engine before its next step, which admits them into the running batch as KV blocks allow,
-and every sequence leaves the batch (and frees its blocks) the step it finishes. Each
-request gets exactly one outcome through its sink: a "finish" event per sequence, or one
-"error" event; a cancelled request gets none, because nobody is listening.
+This is the server's whole view of the engine, three calls from any thread: `submit` hands
+in a request's prompts and gets back its handle, `abort` withdraws it (its client went away:
+its blocks are free before the next step), `stats` reads the counts as of the last step
+(queue, running and preempted sequences, KV usage, prefix hits). HTTP handlers run on an
+event loop and must never wait on the model, and nothing but this thread touches the
+engine. Each request gets exactly one outcome through its sink: a "finish" event per
+sequence, or one "error" event; an aborted request gets none, because nobody is listening.
 
 With tensor or pipeline parallel workers this thread is the only one that drives them
 (rank 0 broadcasts each step), so the collectives never interleave.
@@ -21,11 +22,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine import Engine, Sequence
+from .engine import Engine, SamplingParams, Sequence
 
 log = logging.getLogger("llmsplit.serve")
 
 RATE_WINDOW_S = 10.0  # tokens/s is averaged over this window, so it falls to 0 when idle
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class QueueFull(RuntimeError):
@@ -34,22 +36,29 @@ class QueueFull(RuntimeError):
 
 @dataclass(eq=False)
 class Request:
+    """A submitted request: its sequences (read their tokens and text once they finish)."""
     seqs: list[Sequence]
-    # Called on the scheduler thread with ("finish", index, seq) or ("error", message).
+    # Called on the scheduler thread with ("text", index, piece) when streaming,
+    # ("finish", index, seq) or ("error", message).
     sink: Callable[[tuple], None]
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine = engine
+    def __init__(self, engine: Engine, max_queue: int, on_latency: Callable[[bool, float], None] | None = None):
+        self._engine = engine
+        engine.on_latency = on_latency  # (first token?, seconds): the metrics' histograms
         self.max_queue = max_queue
+        self.max_context = engine.max_context  # limits a request is checked against before it is sent
+        self.max_sequences = engine.max_batch + max_queue
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
-        self._stopping = False
+        self._stopping = False  # every request left is failed, then the thread ends
+        self._draining = False
         self._in_flight = 0  # sequences accepted and not yet finished, cancelled or failed
         self._owner: dict[int, tuple[Request, int]] = {}  # thread-only: sequence id -> (request, index)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens sampled in that step)
+        self._stats = engine.stats()  # as of the last step, read by any thread
         self.finished_requests = 0
         self.failed_requests = 0
         self._thread = threading.Thread(target=self._run, name="llmsplit-scheduler", daemon=True)
@@ -57,21 +66,31 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, req: Request) -> None:
-        """Accept a request or raise QueueFull; `engine.check` errors (ConfigError) pass through."""
-        for seq in req.seqs:
-            self.engine.check(seq)
+    # ------------------------------------------------------------ the interface (any thread)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, sink: Callable[[tuple], None],
+               stream: bool = False) -> Request:
+        """Accept a request's prompts or raise QueueFull; a request that could never fit
+        raises ConfigError. With `stream`, text reaches the sink as it becomes final."""
         with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
-            if self._in_flight + len(req.seqs) > self.engine.max_batch + self.max_queue:
+            if self._stopping or self._draining:
+                raise QueueFull(SHUTTING_DOWN)
+            seqs = [self._engine.new_sequence(p, params) for p in prompts]
+            for seq in seqs:
+                self._engine.check(seq)
+            if self._in_flight + len(seqs) > self.max_sequences:
                 raise QueueFull(f"{self._in_flight} sequences are running or waiting, the most this server "
-                                f"holds is {self.engine.max_batch + self.max_queue}")
-            self._in_flight += len(req.seqs)
+                                f"holds is {self.max_sequences}")
+            req = Request(seqs, sink)
+            if stream:
+                for i, seq in enumerate(seqs):
+                    seq.on_text = lambda piece, i=i: sink(("text", i, piece))
+            self._in_flight += len(seqs)
             self._inbox.append(req)
             self._cond.notify()
+        return req
 
-    def cancel(self, req: Request) -> None:
+    def abort(self, req: Request) -> None:
         """Withdraw a request (its client went away); its blocks are freed before the next step."""
         with self._cond:
             if req in self._inbox:
@@ -79,6 +98,34 @@ class Scheduler:
                 self._in_flight -= len(req.seqs)
             else:
                 self._cancelled.append(req)
+                self._cond.notify()
+
+    def stats(self) -> dict:
+        """The engine's counts as of its last step (engine.stats), with the sequences still
+        on their way in counted as waiting, and the output rate."""
+        now = time.monotonic()
+        with self._cond:
+            s = dict(self._stats)
+            s["waiting"] = max(0, self._in_flight - s["running"])
+            s["tokens_per_s"] = sum(n for t, n in self._recent if t > now - RATE_WINDOW_S) / RATE_WINDOW_S
+            s["in_flight"] = self._in_flight
+        return s
+
+    # ------------------------------------------------------------ shutdown
+
+    def drain(self, deadline_s: float) -> None:
+        """Refuse new requests, let the ones in flight finish for up to `deadline_s`, then
+        fail the rest (their clients get an error event, their blocks are freed)."""
+        with self._cond:
+            self._draining = True
+        timer = threading.Timer(deadline_s, self._abort_all)
+        timer.daemon = True
+        timer.start()
+
+    def _abort_all(self) -> None:
+        with self._cond:
+            if self._in_flight:
+                self._stopping = True
                 self._cond.notify()
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -89,27 +136,13 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    # ------------------------------------------------------------ metrics (any thread)
-
-    def counts(self) -> dict[str, int]:
-        with self._cond:
-            in_flight = self._in_flight
-        running = len(self.engine.running)
-        pool = self.engine.pool
-        return {"running": running, "waiting": max(0, in_flight - running),
-                "kv_blocks_used": pool.num_blocks - pool.free_blocks, "kv_blocks_total": pool.num_blocks}
-
-    def tokens_per_s(self) -> float:
-        now = time.monotonic()
-        with self._cond:
-            return sum(n for t, n in self._recent if t > now - RATE_WINDOW_S) / RATE_WINDOW_S
-
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        engine = self._engine
         while True:
             with self._cond:
-                while not (self._inbox or self._cancelled or self._stopping or self.engine.busy):
+                while not (self._inbox or self._cancelled or self._stopping or engine.busy):
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 cancelled, self._cancelled = self._cancelled, []
@@ -117,20 +150,24 @@ class Scheduler:
             for req in inbox:
                 for i, seq in enumerate(req.seqs):
                     self._owner[seq.id] = (req, i)
-                    self.engine.add(seq)
+                    engine.add(seq)
             for req in cancelled:
                 self._drop(req)
             if stopping:
-                self._fail_all("the server is shutting down")
+                self._fail_all(SHUTTING_DOWN)
+                self._snapshot(0)
                 return
-            before = self.engine.sampled_tokens
+            if cancelled:
+                self._snapshot(0)  # a departed client's blocks show as free before the step runs
+            before = engine.sampled_tokens
             try:
-                finished = self.engine.step()
+                finished = engine.step()
             except Exception as e:  # a failed step (a worker died, out of memory) fails its requests, not the server
                 log.exception("generation step failed")
                 self._fail_all(f"generation failed: {type(e).__name__}: {e}")
+                self._snapshot(0)
                 continue
-            self._record(self.engine.sampled_tokens - before)
+            self._snapshot(engine.sampled_tokens - before)
             for seq in finished:
                 req, i = self._owner.pop(seq.id)
                 self._release(1)
@@ -141,7 +178,7 @@ class Scheduler:
     def _drop(self, req: Request) -> None:
         live = [s for s in req.seqs if s.id in self._owner]
         for seq in live:
-            self.engine.abort(seq)
+            self._engine.abort(seq)
             del self._owner[seq.id]
         self._release(len(live))
 
@@ -156,10 +193,12 @@ class Scheduler:
         with self._cond:
             self._in_flight -= n
 
-    def _record(self, tokens: int) -> None:
-        now = time.monotonic()
+    def _snapshot(self, tokens: int) -> None:
+        stats, now = self._engine.stats(), time.monotonic()
         with self._cond:
-            self._recent.append((now, tokens))
+            self._stats = stats
+            if tokens:
+                self._recent.append((now, tokens))
             while self._recent and self._recent[0][0] <= now - RATE_WINDOW_S:
                 self._recent.popleft()
 

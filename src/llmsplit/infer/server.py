@@ -9,8 +9,8 @@ the engine makes it final. One process serves; with --tp/--pp it is rank
 Safety at the edge (edge.py, before any parsing): /v1 routes need the API key when one is
 set, bodies are capped in size, heads and bodies must arrive within the request timeout, and
 every refusal is a 4xx in OpenAI's error shape. SIGTERM
-or Ctrl-C stops accepting connections, lets in-flight requests finish for up to the drain
-timeout, then aborts the rest (their clients get an error event) and frees the model.
+or Ctrl-C stops accepting connections and requests, lets in-flight requests finish for up to
+the drain timeout, then aborts the rest (their clients get an error event) and frees the model.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ from .scheduler import QueueFull, Request as Work, Scheduler
 from .time_limit import OffLoop, TimeLimitExceeded
 
 RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
+HEALTH_COUNTS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
+# After the drain timeout the scheduler fails what is left; uvicorn waits this much longer for
+# those error events to reach their clients before it cuts the connections.
+DELIVERY_GRACE_S = 5.0
 
 
 class _Channel:
@@ -66,14 +70,14 @@ class Server:
             raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body} and "
                               f"--request-timeout {request_timeout} positive")
         self.model, self.name, self.announce = model, name, announce
-        self.engine = model.engine
+        self.tokenizer = model.tokenizer
         # A broken template fails the start, not every chat request.
-        compile_template(self.engine.tokenizer.chat_template or DEFAULT_TEMPLATE)
-        self.scheduler = Scheduler(self.engine, max_queue)
+        compile_template(self.tokenizer.chat_template or DEFAULT_TEMPLATE)
         self.off_loop = OffLoop(request_timeout)
         self.statuses: dict[int, int] = {}
         self.prometheus = ServeMetrics(self)
-        self.engine.on_latency = self.prometheus.observe  # time to first token, between tokens
+        # The engine from here on is the scheduler's: submit, abort and stats are all the server uses.
+        self.scheduler = Scheduler(model.engine, max_queue, on_latency=self.prometheus.observe)
         self.created = int(time.time())
         self.app = self._app(api_key, max_body, request_timeout)
 
@@ -106,7 +110,8 @@ class Server:
     # ------------------------------------------------------------ routes
 
     async def health(self):
-        return {"status": "ok", "model": self.name, **self.scheduler.counts()}
+        s = self.scheduler.stats()
+        return {"status": "ok", "model": self.name, **{k: s[k] for k in HEALTH_COUNTS}}
 
     async def metrics(self):
         return Response(self.prometheus.render(), media_type=PROMETHEUS_TEXT)
@@ -123,13 +128,13 @@ class Server:
         self._check_model(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        ids = await self._off_loop("prompt", "tokenizing the prompt", _encode_all, self.engine.tokenizer, prompts)
+        ids = await self._off_loop("prompt", "tokenizing the prompt", _encode_all, self.tokenizer, prompts)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for p in ids for t in p):
             # Checked here: a bad id would fail the whole batch's step, not just this request.
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         max_tokens = body.max_tokens or 16  # OpenAI's default
-        check_fits([len(p) for p in ids], max_tokens, self.engine.max_context, self._most_sequences(), "prompt")
+        check_fits([len(p) for p in ids], max_tokens, self.scheduler.max_context, self._most_sequences(), "prompt")
         return await self._answer(request, ids, self._params(body, max_tokens, body.stops()), body, chat=False)
 
     async def chat(self, body: ChatRequest, request: Request):
@@ -137,10 +142,10 @@ class Server:
         self._check_model(body.model)
         ids, template_stops = await self._off_loop("messages", "rendering the chat template", chat_prompt,
                                                    [m.as_template_input() for m in body.messages],
-                                                   self.engine.tokenizer)
-        room = max(1, self.engine.max_context - len(ids))  # no limit given: up to the end of the context
+                                                   self.tokenizer)
+        room = max(1, self.scheduler.max_context - len(ids))  # no limit given: up to the end of the context
         max_tokens = body.max_completion_tokens or body.max_tokens or room
-        check_fits([len(ids)], max_tokens, self.engine.max_context, self._most_sequences(), "messages")
+        check_fits([len(ids)], max_tokens, self.scheduler.max_context, self._most_sequences(), "messages")
         params = self._params(body, max_tokens, body.stops() + template_stops)
         return await self._answer(request, [ids], params, body, chat=True)
 
@@ -148,7 +153,7 @@ class Server:
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "llmsplit",
-                "max_model_len": self.engine.max_context}
+                "max_model_len": self.scheduler.max_context}
 
     async def _off_loop(self, param: str, what: str, fn, *args):
         try:
@@ -159,7 +164,7 @@ class Server:
                            code="request_timeout") from None
 
     def _most_sequences(self) -> int:
-        return self.engine.max_batch + self.scheduler.max_queue
+        return self.scheduler.max_sequences
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -175,12 +180,8 @@ class Server:
 
     async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool):
         channel = _Channel(asyncio.get_running_loop())
-        seqs = [self.engine.new_sequence(p, params) for p in ids]
-        if body.stream:
-            for i, seq in enumerate(seqs):
-                seq.on_text = lambda piece, i=i: channel.put(("text", i, piece))
-        work = Work(seqs, channel.put)
-        self.scheduler.submit(work)
+        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream)
+        seqs = work.seqs
         reply = _Reply(self.name, chat, seqs)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -203,7 +204,7 @@ class Server:
         finally:
             gone.cancel()
             if pending:
-                self.scheduler.cancel(work)
+                self.scheduler.abort(work)
         return reply.whole()
 
     async def _stream(self, work: Work, channel: _Channel, reply: "_Reply", include_usage: bool):
@@ -227,7 +228,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             if pending:  # the client went away mid-stream (this generator was cancelled)
-                self.scheduler.cancel(work)
+                self.scheduler.abort(work)
 
 
 class _Reply:
@@ -349,10 +350,10 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
                             announce=f"llmsplit: serving {name!r} at http://{url_host}:{where[1]}/v1 "
                                      f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=drain_timeout,
+                                    timeout_graceful_shutdown=drain_timeout + DELIVERY_GRACE_S,
                                     http=partial(TimedH11Protocol, head_timeout=request_timeout))
             try:
-                uvicorn.Server(config).run(sockets=[sock])
+                _Uvicorn(config, lambda: server.scheduler.drain(drain_timeout)).run(sockets=[sock])
             finally:
                 print(f"llmsplit: stopped after answering {server.scheduler.finished_requests} requests",
                       file=sys.stderr, flush=True)
@@ -362,6 +363,21 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
         sock.close()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, which on SIGTERM/Ctrl-C also starts the scheduler's drain: requests in flight
+    finish for up to the drain timeout, then the rest are failed with an error event, so every
+    client hears how its request ended before uvicorn closes the connections."""
+
+    def __init__(self, config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def _exit_cleanly(signum, frame):
