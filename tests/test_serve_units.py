@@ -15,6 +15,7 @@ from hf_models import make_hf_folder  # noqa: E402
 from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
+from llmsplit.infer.kv_cache import PackedStep  # noqa: E402
 from llmsplit.infer.scheduler import QueueFull, Request, Scheduler  # noqa: E402
 from llmsplit.io.tokenizer import ByteTokenizer, read_chat_template  # noqa: E402
 
@@ -356,3 +357,38 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(fol
         8, ignore_eos=True))])[0].tokens
     with pytest.raises(ConfigError, match="max_num_batched_tokens 1 is less than max_batch 2"):
         llmsplit.load(folder, max_batch=2, max_num_batched_tokens=1)
+
+
+def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypatch):
+    """Each step is one forward: prompts arriving together are prefilled side by side, packed
+    in one row with the running sequences' decode tokens, under --max-num-batched-tokens;
+    every request's greedy tokens are those it gets alone (issue 19, item 3)."""
+    m = llmsplit.load(folder, max_batch=6, max_context=256, max_num_batched_tokens=64)
+    e, forwards = m.engine, []
+    forward = e.runner.forward
+
+    def counted(tokens, step, last_only):
+        forwards.append((tokens.shape[1], len(step.parts) if isinstance(step, PackedStep) else 0))
+        return forward(tokens, step, last_only)
+
+    monkeypatch.setattr(e.runner, "forward", counted)
+    prompts = [[3 + (i * 7 + j * 5) % 300 for j in range(n)] for i, n in enumerate((5, 40, 90, 17, 33, 120))]
+    news = (12, 6, 10, 9, 4, 8)
+    seqs = [e.new_sequence(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, news)]
+    for seq in seqs[:2]:
+        e.add(seq)
+    steps = 0
+    while e.busy or steps < 3:
+        if steps == 3:  # the first two are decoding by now; four more arrive together
+            for seq in seqs[2:]:
+                e.add(seq)
+        e.step()
+        steps += 1
+    assert len(forwards) == steps  # one forward a step, never a chunk on its own
+    assert max(n for n, _ in forwards) <= 64
+    assert max(parts for _, parts in forwards) >= 3  # the decodes and two prompts' chunks at least
+    whole = llmsplit.load(folder, max_batch=1, max_context=256)
+    for prompt, n, seq in zip(prompts, news, seqs):
+        assert seq.tokens == whole.engine.generate([whole.engine.new_sequence(prompt, SamplingParams(
+            n, ignore_eos=True))])[0].tokens
+    assert e.pool.free_blocks == e.pool.num_blocks

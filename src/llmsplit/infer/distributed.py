@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..launch import Followers
 from ..layout import Layout, Workload, check, stage_layers
 from ..parallel.mesh import Mesh, ParallelDims
+from .kv_cache import PackedStep
 from .placement import Placement
 from .runner import PieceSpec, Runner
 
@@ -110,7 +111,8 @@ def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: boo
     if dist.get_rank() != 0:
         return None
     if pp > 1:
-        out = torch.empty(b, 1 if last_only else s, runner.cfg.vocab_size, dtype=dtype, device=device)
+        rows = step.pick.numel() if isinstance(step, PackedStep) else 1 if last_only else s
+        out = torch.empty(b, rows, runner.cfg.vocab_size, dtype=dtype, device=device)
         dist.recv(out, group=pp_group, group_src=pp - 1)
     return out.float().cpu()
 

@@ -2,14 +2,16 @@
 
 The engine runs in the driving process (rank 0 when the model is split over workers). It
 keeps the block pool and two queues: `waiting` sequences are admitted while the blocks for
-their prompt are free (blocks are then taken one at a time as tokens arrive), each admitted
-prompt is prefilled on its own (no padding), then every `running` sequence decodes one token
-in the same step. When the pool runs out, the newest sequence is preempted (its blocks freed,
-its cache recomputed once blocks free up) rather than any request failing. A sequence leaves
-on EOS, a stop string or its token limit and returns its blocks at once. `step()` is one such round, so a caller can add sequences between rounds
-(continuous batching, as the server's scheduler does) or run them all to the end
-(`generate`). The runner it drives hides where the model lives (one process with offload,
-or tensor/pipeline-parallel workers).
+their prompt are free (blocks are then taken one at a time as tokens arrive). Each step is
+one forward: every `running` sequence whose context is in decodes a token, and the prompts
+of the others are computed in chunks in the same forward, packed in one row (several
+prompts at once, under `max_num_batched_tokens`). When the pool runs out, the newest
+sequence is preempted (its blocks freed, its cache recomputed once blocks free up) rather
+than any request failing. A sequence leaves on EOS, a stop string or its token limit and
+returns its blocks at once. `step()` is one such round, so a caller can add sequences
+between rounds (continuous batching, as the server's scheduler does) or run them all to the
+end (`generate`). The runner it drives hides where the model lives (one process with
+offload, or tensor/pipeline-parallel workers).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError
-from .kv_cache import BlockPool
+from .kv_cache import BlockPool, PackedStep
 
 
 @dataclass
@@ -118,32 +120,35 @@ class Engine:
         # Called with (first token?, seconds since the sequence's creation or its last token).
         self.on_latency: Callable[[bool, float], None] | None = None
 
-    def _prefill_chunks(self, budget: int) -> None:
-        """Compute up to `budget` tokens of the contexts being filled, oldest sequence first,
-        each chunk after what its cache already holds (a cached prefix, the chunks before). A
-        sequence whose prompt is complete samples its first token."""
+    def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """(sequence, start, tokens) of the contexts being filled that this step computes, up
+        to `budget` tokens, oldest sequence first, each chunk after what its cache already
+        holds (a cached prefix, the chunks before)."""
+        chunks = []
         for seq in [s for s in self.running if s.filling is not None]:
             if budget <= 0:
-                return
-            context, start = seq.filling, seq.filled
-            n = min(len(context) - start, budget)
-            step = self.pool.chunk(seq.id, start, n)
-            logits = self.runner.forward(torch.tensor([context[start:start + n]]), step, last_only=True)
-            seq.filled = start + n
+                break
+            n = min(len(seq.filling) - seq.filled, budget)
+            chunks.append((seq, seq.filled, n))
             budget -= n
-            if start + n == len(context):
-                seq.filling = None
-                self.pool.commit(seq.id, context)
-                if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
-                    self._advance(seq, sample_batch(logits[:, -1].float(), [seq])[0])
+        return chunks
 
-    def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's newest token; logits [b, vocab] of the following ones."""
-        for s in seqs:
+    def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """One forward for the step: each decoding sequence's newest token and every chunk,
+        packed in one row when there are chunks (the weights are read once for all of them);
+        logits [len(decoding) + len(chunks), vocab] of each one's last token."""
+        for s in decoding:
             self.pool.append(s.id, 1)
-        step = self.pool.step([s.id for s in seqs], 1)
-        tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
-        return self.runner.forward(tokens, step, last_only=True)[:, -1].float()
+        decode = self.pool.step([s.id for s in decoding], 1) if decoding else None
+        if not chunks:  # decodes alone: the shape a compiled decode graph takes
+            tokens = torch.tensor([[s.tokens[-1]] for s in decoding])
+            return self.runner.forward(tokens, decode, last_only=True)[:, -1].float()
+        parts = [decode] if decoding else []
+        tokens = [s.tokens[-1] for s in decoding]
+        for seq, start, n in chunks:
+            parts.append(self.pool.chunk(seq.id, start, n))
+            tokens += seq.filling[start:start + n]
+        return self.runner.forward(torch.tensor([tokens]), PackedStep.pack(parts), last_only=True)[0].float()
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not prompt:
@@ -193,19 +198,29 @@ class Engine:
                 "prompt_tokens": self.prompt_tokens, "generated_tokens": self.sampled_tokens}
 
     def step(self) -> list[Sequence]:
-        """Admit what fits, prefill it (in chunks under `max_num_batched_tokens`), decode one
-        token for every running sequence whose prompt is in; returns the sequences that
-        finished in this step (their blocks are already free)."""
+        """Admit what fits, then one forward: the next token of every running sequence whose
+        context is in, and in the same forward chunks of the contexts still being filled
+        (under `max_num_batched_tokens`, the decodes taking their share first, so a long
+        prompt never stalls the streams); returns the sequences that finished in this step
+        (their blocks are already free)."""
         finished = []
         self._admit()
-        ready = sum(s.filling is None and s.finish_reason is None for s in self.running)
-        self._prefill_chunks(self.max_num_batched_tokens - ready)  # the decodes take their share first
-        self._collect(finished)  # a first token may already end a sequence (EOS): its blocks go back now
         decoding = self._make_room()
-        if decoding:
-            logits = self.decode_step(decoding)
-            for seq, token in zip(decoding, sample_batch(logits, decoding)):
-                self._advance(seq, token)
+        chunks = self._plan_chunks(self.max_num_batched_tokens - len(decoding))
+        if not (decoding or chunks):
+            return finished
+        logits = self._forward(decoding, chunks)
+        sampling, rows = list(decoding), list(range(len(decoding)))
+        for row, (seq, start, n) in enumerate(chunks, len(decoding)):
+            seq.filled = start + n
+            if seq.filled == len(seq.filling):
+                self.pool.commit(seq.id, seq.filling)
+                seq.filling = None
+                if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
+                    sampling.append(seq)
+                    rows.append(row)
+        for seq, token in zip(sampling, sample_batch(logits[rows], sampling)):
+            self._advance(seq, token)
         self._collect(finished)
         return finished
 

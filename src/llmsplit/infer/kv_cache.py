@@ -173,6 +173,30 @@ class Step:
         return Step.masked(torch.full((b,), self.start), self.slots.numel() // b, self.gather)
 
 
+@dataclass
+class PackedStep:
+    """Several sequences' new tokens packed into one row [1, T]: a fused step, the prefill
+    chunks of some sequences next to the decode tokens of others (as vLLM and nano-vllm run
+    them). The weights are then read once for every token of the step, and attention runs
+    part by part, each part against its own sequences' keys (without a varlen attention
+    kernel on CPU, one masked attention over all of them would cost T x every key)."""
+    positions: torch.Tensor  # [T] position of each new token, for the rotary tables
+    slots: torch.Tensor  # [T] pool slot of each new token
+    parts: list[Step]  # in row order: a batch of decodes (one row each), or one sequence's chunk
+    pick: torch.Tensor  # [n] rows whose logits are wanted (each part's sequences' last tokens)
+
+    @staticmethod
+    def pack(parts: list[Step]) -> "PackedStep":
+        positions, pick, row = [], [], 0
+        for part in parts:
+            b, n = part.gather.shape[0], part.slots.numel() // part.gather.shape[0]
+            start = part.start if isinstance(part.start, torch.Tensor) else torch.full((b,), part.start)
+            positions.append((start[:, None] + torch.arange(n)).reshape(-1))
+            pick.append(row + n - 1 + n * torch.arange(b))
+            row += b * n
+        return PackedStep(torch.cat(positions), torch.cat([p.slots for p in parts]), parts, torch.cat(pick))
+
+
 class PagedKVCache:
     """K and V pools for the layers one process holds: [blocks * block_size, kv_heads, head_dim]
     per layer, on the device where that layer runs."""
@@ -188,8 +212,12 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
-    def set_step(self, step: Step | None) -> None:
+    def set_step(self, step: Step | PackedStep | None) -> None:
         self._step, self._on = step, {}
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self._step, PackedStep)
 
     def _indices(self, device: torch.device):
         # Moved once per step and device, not once per layer.
@@ -203,12 +231,41 @@ class PagedKVCache:
         """Store the new k/v [b, kv_heads, s, head_dim]; return every key/value of each
         sequence, [b, kv_heads, width, head_dim]."""
         slots, gather, _ = self._indices(k.device)  # gather flattened: index_select is the cheapest read
+        self._store(layer_id, slots, k, v)
+        return self._read(layer_id, gather, k.shape[0])
+
+    def attend_packed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend):
+        """A PackedStep's q [1, heads, T, head_dim] and new k/v: store k/v, then attend each
+        part to its own keys with `attend(q, k, v, mask, start_pos)`; returns [1, T, heads * head_dim]."""
+        slots, parts = self._packed_indices(q.device)
+        self._store(layer_id, slots, k, v)
+        out, row = [], 0
+        for rows, b, gather, mask, start in parts:
+            q_part = q[0, :, row:row + rows].unflatten(1, (b, -1)).transpose(0, 1)  # [b, heads, s, head_dim]
+            out.append(attend(q_part, *self._read(layer_id, gather, b), mask, start).transpose(1, 2).reshape(rows, -1))
+            row += rows
+        return torch.cat(out)[None]
+
+    def _store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         kp, vp = self.k[layer_id], self.v[layer_id]
         kp.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *kp.shape[1:]))
         vp.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *vp.shape[1:]))
-        shape = (k.shape[0], -1, *kp.shape[1:])
+
+    def _read(self, layer_id: int, gather: torch.Tensor, b: int):
+        """Keys and values at the flattened slots `gather` of b sequences, [b, kv_heads, width, head_dim]."""
+        kp, vp = self.k[layer_id], self.v[layer_id]
+        shape = (b, -1, *kp.shape[1:])
         return (kp.index_select(0, gather).view(shape).transpose(1, 2),
                 vp.index_select(0, gather).view(shape).transpose(1, 2))
+
+    def _packed_indices(self, device: torch.device):
+        if device not in self._on:
+            s = self._step
+            self._on[device] = (s.slots.to(device), [
+                (p.slots.numel(), p.gather.shape[0], p.gather.reshape(-1).to(device),
+                 None if p.mask is None else p.mask.to(device),
+                 p.start.to(device) if isinstance(p.start, torch.Tensor) else p.start) for p in s.parts])
+        return self._on[device]
 
     def attn_mask(self, device: torch.device):
         return self._indices(device)[2]

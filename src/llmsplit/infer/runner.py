@@ -22,7 +22,7 @@ from ..config import ConfigError
 from ..io.weights import read_weight
 from ..models.llama import Transformer
 from ..models.rope import model_rope_tables
-from .kv_cache import PagedKVCache, Step
+from .kv_cache import PackedStep, PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
 from .thread_tuner import ThreadTuner
@@ -216,6 +216,9 @@ class Runner:
         x = tokens.to(self.input_device)
         if step is None:
             return self.model(x, last_only=last_only)
+        if isinstance(step, PackedStep):  # a fused step, run eager: its shapes change every step
+            return self.model(x, kv_cache=self.cache, positions=step.positions[None].to(self.input_device),
+                              pick=step.pick.to(self.input_device))
         forward, started = self.model, time.perf_counter()
         # Compiled: one-token decode steps. A batch always takes the masked form, so one graph
         # serves it whatever its size and positions. A single sequence passes its position as

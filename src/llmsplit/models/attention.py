@@ -73,6 +73,10 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
+        if kv_cache is not None and kv_cache.packed:
+            # Several sequences' tokens in one row (a fused prefill + decode step): the
+            # projections ran on all of them at once; each part attends to its own keys.
+            return self.wo(kv_cache.attend_packed(layer_id, q, k, v, self._attend))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_id, start_pos, k, v)
             # A cache holding sequences of different lengths supplies the mask that hides

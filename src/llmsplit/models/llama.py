@@ -181,19 +181,22 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int | torch.Tensor = 0,
-                last_only: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                pick: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. With a `kv_cache`, `start_pos` is the
         position of tokens[:, 0] (an int, or a LongTensor [b] when the sequences of the batch
         are at different positions) and the cache is extended in place. `last_only` computes
         logits for the last position only (all that generation needs). `positions` [b, s]
         (training on packed rows): each token's position in its document, 0 where one starts;
-        attention then stays within documents (`document_mask`)."""
+        attention then stays within documents (`document_mask`); with a `kv_cache` (several
+        sequences packed in one row, the cache's `PackedStep`), each token's position in its
+        sequence. `pick` [n]: the positions of the row whose logits are wanted (the last token
+        of each packed sequence)."""
         s = tokens.shape[1]
         mask = None
         if positions is not None:
-            assert kv_cache is None, "packed rows are for training, not generation"
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            mask = document_mask(positions)
+            mask = document_mask(positions) if kv_cache is None else None
         elif isinstance(start_pos, torch.Tensor):
             pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # the caller keeps pos inside the table
@@ -203,9 +206,10 @@ class Transformer(nn.Module):
             cos = self.rope_cos[start_pos:]
             sin = self.rope_sin[start_pos:]
         # Looked up only when scaled: the lookup is lru_cached, which torch.compile warns about.
-        limit = dynamic_rope_limit(self.cfg.rope_scaling) if self.cfg.rope_scaling and positions is None else None
+        limit = (dynamic_rope_limit(self.cfg.rope_scaling)
+                 if self.cfg.rope_scaling and (positions is None or kv_cache is not None) else None)
         if limit is not None:
-            cos, sin = self._dynamic_rope(start_pos, s, limit, cos, sin)
+            cos, sin = self._dynamic_rope(start_pos if positions is None else positions, s, limit, cos, sin)
         if kv_cache is not None:  # generation: shaped once for all layers (training shards the sequence)
             cos, sin = rope_for_heads(cos, sin, s)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -218,7 +222,9 @@ class Transformer(nn.Module):
                 h = layer(h, cos[..., half], sin[..., half], kv_cache, start_pos, mask=mask)
             else:
                 h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
-        if last_only and self.output is not None:
+        if pick is not None and self.output is not None:
+            h = h[:, pick]
+        elif last_only and self.output is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
@@ -232,11 +238,14 @@ class Transformer(nn.Module):
     def _dynamic_rope(self, start_pos, s: int, limit: int, cos, sin):
         """Dynamic NTK scaling as transformers applies it: a call whose longest sequence ends
         past `limit` uses frequencies recomputed for that length (cached keys keep theirs)."""
-        end = (int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else start_pos) + s
+        packed = isinstance(start_pos, torch.Tensor) and start_pos.dim() == 2  # positions [1, T] of packed sequences
+        end = (int(start_pos.max()) + (1 if packed else s)) if isinstance(start_pos, torch.Tensor) else start_pos + s
         if end <= limit:
             return cos, sin
         cos_t, sin_t = rope_tables(self.cfg.head_dim, end, self.cfg.rope_theta, device=self.rope_cos.device,
                                    scaling=self.cfg.rope_scaling, seq_len=end)
+        if packed:
+            return cos_t[start_pos], sin_t[start_pos]
         if isinstance(start_pos, torch.Tensor):
             pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
             return cos_t[pos], sin_t[pos]
