@@ -62,6 +62,14 @@ def test_moe_configs_refused_in_one_sentence():
         check(preset_config("tiny-moe", router_score="top"), Layout())
     with pytest.raises(ConfigError, match="parallel.tp=2 does not split mixture-of-experts layers"):
         check(preset_config("tiny-moe"), Layout(tp=2))
+    for layout, fragment in ((Layout(dp=4, ep=3), "parallel.ep=3 does not divide the 4 data-parallel ranks"),
+                             (Layout(dp=6, ep=3), "parallel.ep=3 does not divide model.n_experts=4; use parallel.ep "
+                                                  "in 1, 2"),
+                             (Layout(dp=2, ep=2, zero=1), "parallel.ep=2 does not combine with parallel.zero=1")):
+        with pytest.raises(ConfigError, match=fragment):
+            check(preset_config("tiny-moe"), layout)
+    with pytest.raises(ConfigError, match="this model has none"):
+        check(preset_config("tiny"), Layout(dp=2, ep=2))
     cfg = preset_config("tiny-moe")
     assert cfg.num_params() == sum(p.numel() for p in __import__("llmsplit").models.Transformer(cfg).parameters())
 
@@ -80,6 +88,30 @@ def test_planner_counts_total_parameters_and_active_activations():
         assert layer_activation_bytes(moe, 4, 64, Layout(), pattern) == layer_activation_bytes(dense, 4, 64, Layout(),
                                                                                               pattern)
 
+
+
+def test_planner_splits_experts_over_ep_and_counts_the_all_to_all():
+    from llmsplit.layout import Workload
+    from llmsplit.plan.experts import all_to_all_bytes_per_step, dispatch_buffer_bytes
+    from llmsplit.plan.memory import layer_params
+    from llmsplit.plan.search import enumerate_layouts
+    from llmsplit.plan.hardware import get_device
+
+    cfg = preset_config("tiny-moe")  # 4 experts of 3 x 128 x 128, 2 per token, 2 layers
+    routed = 4 * 3 * 128 * 128
+    assert layer_params(cfg) - layer_params(cfg, ep=2) == routed // 2
+    assert layer_params(cfg) - layer_params(cfg, ep=4) == 3 * routed // 4
+    work = Workload(seq_len=32, global_batch=8, precision="fp32")
+    lay = Layout(dp=4, ep=2, micro_batch=2)  # 1 micro-batch of 2 x 32 tokens per rank, 2 routed copies each
+    rows = 2 * 32 * 2 * 128 * 4  # bytes of one exchange
+    # 2 layers x (forward: rows out and back, backward: their gradients) x half of them leave the rank
+    assert all_to_all_bytes_per_step(cfg, lay, work) == 2 * 4 * rows // 2
+    assert all_to_all_bytes_per_step(cfg, Layout(dp=4, ep=2, micro_batch=2, activation_checkpoint="full"),
+                                     work) == 2 * 6 * rows // 2
+    assert dispatch_buffer_bytes(cfg, lay, work) == 4 * rows
+    assert all_to_all_bytes_per_step(cfg, Layout(dp=4, micro_batch=2), work) == 0
+    eps = {lay.ep for lay in enumerate_layouts(cfg, work, 4, get_device("H100-80GB"))}
+    assert eps == {1, 2, 4}
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,3 +187,29 @@ def test_aux_loss_and_tokens_per_expert_are_the_same_whatever_the_layout(tmp_pat
     proc = run_cli("train", "--run-dir", str(tmp_path / "pp"), "--nproc", "2", *[a for s in sets for a in ("--set", s)],
                    "--set", "parallel.pp=2", check=False)
     assert proc.returncode == 2 and "train.moe_aux_loss with parallel.pp > 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path):
+    """ep 2 on 4 workers (each expert on 2 ranks: its gradient summed over them), ep 4, and ep 2
+    × pp 2: the losses of one process at every step; each ep rank holds 1/ep of the experts;
+    checkpoints continue under another ep degree (ep 2 -> 4, ep 1 -> 2 × pp 2)."""
+    sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4",
+            "train.warmup_steps=1", "checkpoint.every=2"]
+    train(tmp_path / "one", *sets)
+    train(tmp_path / "ep2", *sets, "parallel.ep=2", nproc=4)
+    ck = {name: str(tmp_path / name / "checkpoints" / "step_2") for name in ("one", "ep2")}
+    train(tmp_path / "ep4", *sets, "parallel.ep=4", nproc=4, extra=("--resume", ck["ep2"]))
+    train(tmp_path / "ep2_pp2", *sets, "parallel.ep=2", "parallel.pp=2", nproc=4, extra=("--resume", ck["one"]))
+    one = losses(tmp_path / "one")
+    assert_close_losses(losses(tmp_path / "ep2"), one)
+    for name in ("ep4", "ep2_pp2"):
+        assert_close_losses(losses(tmp_path / name), one[2:])
+    rows = {name: [json.loads(line)["tokens_per_expert"] for line in (tmp_path / name / "metrics.jsonl").open()]
+            for name in ("one", "ep2")}
+    assert rows["one"] == rows["ep2"]
+    experts = {name: [r["expert_param_bytes"] for r in json.loads((tmp_path / name / "summary.json").read_text())
+                      ["per_rank"]] for name in ("one", "ep2", "ep4")}
+    assert experts["one"][0] == 2 * 4 * 3 * 128 * 128 * 4  # 2 layers of 4 experts, fp32
+    for ep in (2, 4):
+        assert max(experts[f"ep{ep}"]) <= 1.05 * experts["one"][0] / ep, experts

@@ -69,6 +69,9 @@ class ParallelSection:
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
+    # Expert parallel: the experts of every mixture-of-experts layer split over ep of the
+    # data-parallel ranks, tokens sent to their experts' rank by all-to-all (parallel/expert_parallel.py).
+    ep: int = 1
 
 
 @dataclass
@@ -228,7 +231,7 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
     sp = None if par.sequence_parallel in (None, par.tp > 1) else par.sequence_parallel
     return Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp, sequence_parallel=sp, pp=par.pp,
                   pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages,
-                  pp_microbatches=par.pp_microbatches, micro_batch=cfg.train.micro_batch,
+                  pp_microbatches=par.pp_microbatches, micro_batch=cfg.train.micro_batch, ep=par.ep,
                   activation_checkpoint=mem.activation_checkpoint, offload=mem.offload)
 
 

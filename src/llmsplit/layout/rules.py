@@ -20,7 +20,7 @@ _TRAIN_NAMES = {"dp": "parallel.dp", "dp_replicate": "parallel.dp_replicate", "z
                 "tp": "parallel.tp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
                 "pp_virtual_stages": "parallel.pp_virtual_stages", "pp_microbatches": "parallel.pp_microbatches",
                 "micro_batch": "train.micro_batch", "activation_checkpoint": "memory.activation_checkpoint",
-                "offload": "memory.offload", "sequence_parallel": "parallel.sequence_parallel"}
+                "offload": "memory.offload", "sequence_parallel": "parallel.sequence_parallel", "ep": "parallel.ep"}
 
 
 def _say(key: str, value, work: Workload | None) -> str:
@@ -67,6 +67,7 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
         raise ConfigError(f"parallel.dp × tp × pp = {layout.dp}×{layout.tp}×{layout.pp} = {layout.world} but the "
                           f"world size is {world}; change parallel.dp (or leave it at -1)")
     _check_data_parallel(layout)
+    _check_expert_parallel(model, layout, work)
     if layout.pp > 1:
         _check_schedule(layout)
     training = work is None or work.mode == "train"
@@ -92,7 +93,7 @@ def check_model(model: LlamaConfig) -> None:
 
 
 def _check_degrees(layout: Layout, work: Workload | None) -> None:
-    for key in ("dp", "dp_replicate", "tp", "pp", "pp_virtual_stages", "micro_batch"):
+    for key in ("dp", "dp_replicate", "tp", "pp", "pp_virtual_stages", "micro_batch", "ep"):
         if getattr(layout, key) < 1:
             raise ConfigError(f"{_say(key, getattr(layout, key), work)} must be at least 1")
     if layout.zero not in (0, 1, 2, 3):
@@ -115,6 +116,40 @@ def _check_data_parallel(layout: Layout) -> None:
     if layout.offload == "cpu" and layout.zero < 2:
         raise ConfigError(f"memory.offload=\"cpu\" offloads sharded state and needs parallel.zero=2 or 3, "
                           f"not {layout.zero}")
+
+
+def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Workload | None) -> None:
+    """ep splits each copy of the experts over ep of the data-parallel ranks (parallel/expert_parallel.py)."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if work is not None and work.mode == "infer":
+        raise ConfigError(f"parallel.ep={ep} is for training; inference splits a mixture-of-experts model with "
+                          f"--pp (tp and ep are not available for it yet)")
+    if layout.dp % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {layout.dp} data-parallel ranks (parallel.dp); use "
+                          f"parallel.ep in {', '.join(map(str, divisors(layout.dp)))}")
+    # Not (yet) equal to one process, so refused: ZeRO-1 broadcasts every parameter over all
+    # of dp (experts differ between ep ranks); FSDP, hybrid sharding, LoRA and NVMe offload untried.
+    lora = work.lora_rank if work is not None else 0
+    for bad, name, value, fix in ((layout.zero != 0, "parallel.zero", layout.zero, "parallel.zero=0"),
+                                  (layout.dp_replicate > 1, "parallel.dp_replicate", layout.dp_replicate,
+                                   "parallel.dp_replicate=1"),
+                                  (layout.offload != "none", "memory.offload", layout.offload, 'memory.offload="none"'),
+                                  (lora > 0, "lora.rank", lora, "lora.rank=0")):
+        if bad:
+            raise ConfigError(f"parallel.ep={ep} does not combine with {name}={value!r} yet; set {fix} or "
+                              f"parallel.ep=1")
+    if layout.tp > 1:
+        raise ConfigError(f"parallel.ep={ep} does not combine with parallel.tp={layout.tp} yet; set parallel.tp=1")
+    if model is None:
+        return
+    if not model.n_experts:
+        raise ConfigError(f"parallel.ep={ep} splits experts, and this model has none (model.n_experts=0); set "
+                          f"parallel.ep=1")
+    if model.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide model.n_experts={model.n_experts}; use parallel.ep in "
+                          f"{', '.join(str(d) for d in divisors(model.n_experts) if layout.dp % d == 0)}")
 
 
 def _check_schedule(layout: Layout) -> None:

@@ -39,6 +39,7 @@ class Layout:
     micro_batch: int = 1
     activation_checkpoint: str = "none"
     offload: str = "none"
+    ep: int = 1  # expert parallel, inside the data-parallel ranks (not a factor of the world)
 
     @property
     def world(self) -> int:
@@ -52,6 +53,11 @@ class Layout:
     def shard(self) -> int:
         """Ranks that share one copy of the sharded state (ZeRO's N)."""
         return self.dp // self.dp_replicate if self.zero >= 2 else self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: the data-parallel ranks over which expert gradients average."""
+        return self.dp // self.ep
 
     @property
     def chunks(self) -> int:

@@ -8,12 +8,17 @@ capacity limit. Tokens are sorted by expert and the experts run as one grouped m
 contiguous rows of each (torch.nn.functional.grouped_mm, torch's grouped GEMM, which has a CPU
 kernel in torch 2.13), not a Python loop over experts or tokens.
 
+Expert parallel (parallel/expert_parallel.py) sets `dispatch` from outside: a callable that takes
+the place of `experts`, sends the sorted rows to the rank holding their expert and brings the
+results back; the plain model leaves it None and holds every expert.
+
 Balancing: `aux_loss` (the Switch/Mixtral load-balancing loss) and `tokens_per_expert` of the last
 forward are kept on the module for a training loop to read.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +45,7 @@ class MoE(nn.Module):
             self.shared = FeedForward(cfg, cfg.n_shared_experts * f)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.dispatch = None  # set by parallel.ep; (moe, rows sorted by expert, counts) -> expert outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.reshape(-1, x.shape[-1])
@@ -55,7 +61,8 @@ class MoE(nn.Module):
         self.aux_loss = scores.shape[1] * (counts.float() / chosen.numel() * scores.mean(0)).sum()
         order = chosen.flatten().argsort(stable=True)  # routed copies sorted by expert
         rows = order // self.k  # the token each sorted copy came from
-        y = self.experts(t[rows], counts) * weights.flatten()[order, None].to(x.dtype)
+        run = self.experts if self.dispatch is None else partial(self.dispatch, self)
+        y = run(t[rows], counts) * weights.flatten()[order, None].to(x.dtype)
         out = torch.zeros_like(t).index_add_(0, rows, y)
         if self.shared is not None:
             out = out + self.shared(t)
@@ -63,7 +70,13 @@ class MoE(nn.Module):
 
     def experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each expert over its rows of `x` ([sum(counts), dim], sorted by expert)."""
-        offs = counts.cumsum(0).to(torch.int32)
-        gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """Expert e's SwiGLU (weights w1[e], w3[e], w2[e]) over its `counts[e]` consecutive rows of `x`."""
+    offs = counts.cumsum(0).to(torch.int32)
+    gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)

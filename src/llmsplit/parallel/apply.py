@@ -1,6 +1,6 @@
 """The single function that turns a plain model into the parallel model the config asks for.
 
-Order (the one torchtitan uses): PP split → TP → LoRA → activation checkpointing → compile →
+Order (the one torchtitan uses): PP split → TP → EP → LoRA → activation checkpointing → compile →
 FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts). The model is built on the meta device, so no rank ever allocates the whole
 model before it is split; weights are then materialised on the device (already sharded
 under FSDP) and initialised from (seed, parameter name), which gives every layout the
@@ -26,6 +26,7 @@ from .data_parallel import (
     local_optimizer,
     zero1_optimizer,
 )
+from .expert_parallel import apply_ep, is_expert_weight
 from .memory import NvmeAdamW, apply_activation_checkpointing
 from .mesh import Mesh
 from .parallel_model import ParallelModel
@@ -42,6 +43,8 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         parts = split_model(model, par.pp_schedule, mesh.rank("pp"), par.pp, par.pp_virtual_stages)
     if par.tp > 1:
         apply_tp(model, mesh.mesh["tp"], par.sequence_parallel)
+    if par.ep > 1:
+        apply_ep(model, mesh.sub("ep"))
     lora = cfg.lora
     if lora.rank:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, parse_targets(lora.targets))
@@ -64,10 +67,11 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
     if parts is not None:
         share_buffers(parts)
     module, manual_grad_group = model, None
-    if par.zero < 2 and (parts is not None or par.tp > 1):
+    if par.zero < 2 and (parts is not None or par.tp > 1 or par.ep > 1):
         # DDP can wrap neither a pipeline stage (many micro-batch backwards per step
-        # through one module) nor DTensor parameters; gradients are averaged after the
-        # backward instead, in one flat all-reduce.
+        # through one module) nor DTensor parameters (tp; ep's experts, which also average
+        # over other ranks); gradients are averaged after the backward instead, in one flat
+        # all-reduce per group.
         manual_grad_group = mesh.group("dp") if mesh.size("dp") > 1 else None
     elif par.zero < 2:
         # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
@@ -75,6 +79,7 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
     precision = cfg.train.precision
     return ParallelModel(module=module, model=model, mesh=mesh, device=device, pipeline=parts,
                          pp_schedule=par.pp_schedule, manual_grad_group=manual_grad_group,
+                         expert_parallel=par.ep > 1,
                          amp_dtype=autocast_dtype(par.zero, precision), sharded_loss=par.tp > 1,
                          scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None)
 
@@ -85,10 +90,15 @@ def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Op
     # No weight decay on norms and biases (1-D tensors), as in the Llama recipes. Frozen
     # parameters (the base under LoRA) have no optimizer state at all.
     trained = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trained if p.dim() >= 2]
+    # Expert parallel's experts get a group of their own: torch's fused and foreach kernels
+    # take either DTensors or plain tensors in one call, not both.
+    experts = [p for p in trained if is_expert_weight(p)]
+    decay = [p for p in trained if p.dim() >= 2 and not is_expert_weight(p)]
     no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if experts:
+        groups.append({"params": experts, "weight_decay": cfg.train.weight_decay})
     hyper = dict(lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
     optimizer_class = torch.optim.AdamW
     if cfg.memory.offload == "nvme":

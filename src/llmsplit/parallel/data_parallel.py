@@ -69,7 +69,8 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     assert zero in (2, 3), zero
-    dp_mesh = mesh.mesh["dp_replicate", "dp_shard"] if mesh.dims.dp_replicate > 1 else mesh.mesh["dp_shard"]
+    # Hybrid sharding is refused with expert parallel (layout/rules.py), so edp is dp_shard there.
+    dp_mesh = mesh.mesh["dp_replicate", "edp"] if mesh.dims.dp_replicate > 1 else mesh.sub("dp_shard")
     kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision)}
     if cpu_offload:
         # Pinned host memory needs an accelerator; a CPU-only build refuses it.
@@ -160,21 +161,24 @@ def no_grad_sync(model: nn.Module):
         yield
 
 
-def allreduce_gradients(params, group) -> None:
+def allreduce_gradients(params, group, divisor: int | None = None) -> None:
     """Average gradients over the data-parallel group after the step's backward passes,
     where DDP cannot be used (see apply.py): one flat all-reduce per dtype, the same
-    bytes as DDP's buckets without the overlap with backward."""
+    bytes as DDP's buckets without the overlap with backward. `divisor`: divide the sum
+    by this instead of the group's size (expert parallel's experts)."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     world = dist.get_world_size(group)
-    if world == 1:
+    divisor = divisor or world
+    if divisor == 1:
         return
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
         flat = _flatten_dense_tensors(same)
-        dist.all_reduce(flat, group=group)
-        flat /= world
+        if world > 1:
+            dist.all_reduce(flat, group=group)
+        flat /= divisor
         for g, synced in zip(same, _unflatten_dense_tensors(flat, same)):
             g.copy_(synced)

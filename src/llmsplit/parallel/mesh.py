@@ -1,9 +1,12 @@
 """One object that owns the device mesh and answers "which rank am I in each dimension".
 
-The mesh always has the four dimensions pp × dp_replicate × dp_shard × tp (size 1 where
+The mesh always has the five dimensions pp × dp_replicate × edp × ep × tp (size 1 where
 unused), so the code that asks for a group never has to know which techniques are on.
-Data loading and DDP use the flattened data-parallel dimension "dp". Training and
-inference `--tp/--pp` both build it from a `Layout`.
+Expert parallel splits the sharded data-parallel ranks: `dp_shard` is edp × ep flattened,
+`ep` holds one copy of the experts between its ranks and `edp` (with dp_replicate:
+"expert_dp") the ranks that hold the same experts. Data loading and DDP use the flattened
+data-parallel dimension "dp" (rank order the same as without ep). Training and inference
+`--tp/--pp` both build it from a `Layout`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..config import ParallelSection
 from ..layout import Layout
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,16 +28,22 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard // self.ep
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
         return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp // layout.dp_replicate,
-                   tp=layout.tp)
+                   tp=layout.tp, ep=layout.ep)
 
     @classmethod
     def from_config(cls, par: ParallelSection) -> "ParallelDims":
         assert par.dp > 0, "resolve parallel.dp before building the mesh"
-        return cls.from_layout(Layout(dp=par.dp, dp_replicate=par.dp_replicate, tp=par.tp, pp=par.pp))
+        return cls.from_layout(Layout(dp=par.dp, dp_replicate=par.dp_replicate, tp=par.tp, pp=par.pp,
+                                      ep=par.ep))
 
     @property
     def dp(self) -> int:
@@ -54,15 +63,22 @@ class Mesh:
         self.mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(getattr(dims, d) for d in DIMS), mesh_dim_names=DIMS)
         # `_flatten` is how torchtitan names a merged dimension; there is no public API yet.
-        self.dp_mesh: DeviceMesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # torch deprecates slicing a flattened dimension from the root mesh: they are kept here.
+        self.flat: dict[str, DeviceMesh] = {
+            "dp_shard": self.mesh["edp", "ep"]._flatten("dp_shard"),
+            "expert_dp": self.mesh["dp_replicate", "edp"]._flatten("expert_dp"),
+            "dp": self.mesh["dp_replicate", "edp", "ep"]._flatten("dp")}
+        self.dp_mesh: DeviceMesh = self.flat["dp"]
+
+    def sub(self, dim: str) -> DeviceMesh:
+        """The 1-D mesh of `dim`, one of DIMS or a flattened one (dp, dp_shard, expert_dp)."""
+        return self.flat[dim] if dim in self.flat else self.mesh[dim]
 
     def rank(self, dim: str) -> int:
-        if dim == "dp":
-            return self.dp_mesh.get_local_rank()
-        return self.mesh.get_local_rank(dim)
+        return self.sub(dim).get_local_rank()
 
     def size(self, dim: str) -> int:
-        return self.dims.dp if dim == "dp" else getattr(self.dims, dim)
+        return self.sub(dim).size()
 
     def group(self, dim: str):
-        return self.dp_mesh.get_group() if dim == "dp" else self.mesh.get_group(dim)
+        return self.sub(dim).get_group()

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..models.llama import Transformer
 from .data_parallel import allreduce_gradients, no_grad_sync
+from .expert_parallel import is_expert_weight
 from .mesh import Mesh
 from .pipeline import PipelineParts, build_schedule
 
@@ -41,6 +42,8 @@ class ParallelModel:
     # Set when neither DDP nor FSDP averages the gradients (zero 0/1 with tp or pp > 1):
     # `sync_gradients` then all-reduces them over this group after the backward passes.
     manual_grad_group: object | None = None
+    # parallel.ep > 1: the experts' gradients average over the expert_dp ranks (expert_parallel.py).
+    expert_parallel: bool = False
     # The dtype forward passes autocast to: DDP computes under autocast; FSDP casts the
     # gathered parameters itself (its MixedPrecisionPolicy), so it has none.
     amp_dtype: torch.dtype | None = None
@@ -112,8 +115,16 @@ class ParallelModel:
 
     def sync_gradients(self) -> None:
         """Average the gradients over data parallel where no wrapper did it during backward."""
-        if self.manual_grad_group is not None:
-            allreduce_gradients(self.model.parameters(), self.manual_grad_group)
+        if not self.expert_parallel:
+            if self.manual_grad_group is not None:
+                allreduce_gradients(self.model.parameters(), self.manual_grad_group)
+            return
+        # Each expert's gradient already sums the tokens of its ep group: summed over the
+        # expert_dp ranks and divided by the whole dp degree, it is the global batch's mean.
+        params = list(self.model.parameters())
+        allreduce_gradients([p for p in params if not is_expert_weight(p)], self.mesh.group("dp"))
+        allreduce_gradients([p for p in params if is_expert_weight(p)], self.mesh.group("expert_dp"),
+                            divisor=self.mesh.size("dp"))
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the true gradients (loss scaling undone first) and
@@ -122,13 +133,17 @@ class ParallelModel:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        # torch's norm kernels take DTensors or plain tensors in one call, not both (ep's experts).
+        kinds = [kind for kind in ([p for p in params if is_expert_weight(p) == e] for e in (False, True)) if kind]
+        norms = [full_tensor(torch.nn.utils.get_total_norm([p.grad for p in kind])) for kind in kinds]
+        total = torch.stack(norms).norm() if len(norms) > 1 else norms[0]
         if self.pipeline is not None:
             total = total.pow(2)
             dist.all_reduce(total, group=self.mesh.group("pp"))
             total = total.sqrt()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            for kind in kinds:
+                torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
         return total
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -12,8 +12,10 @@ from ..config import (Config, ConfigError, layout_of, load_config, model_config,
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
+from .experts import expert_params_per_rank
 from .hardware import Device, get_device
-from ..layout import PRECISIONS, Layout, Workload, check, check_model, parse_layout, stage_layers
+from ..layout import (PRECISIONS, Layout, Workload, check, check_model, parse_layout, rank_layer_counts,
+                      stage_layers)
 from .search import accepts, evaluate, search
 
 
@@ -91,6 +93,14 @@ def _entry(cfg: LlamaConfig, cand) -> dict:
     entry = cand.to_dict()
     if cand.layout.pp > 1:
         entry["stage_layers"] = stage_layers(cfg, cand.layout)
+    if cfg.n_experts:
+        # The fullest stage's routed experts on one ep rank, what the step sends by all-to-all
+        # (plan/experts.py), and the dispatch buffers counted in comm_buffers.
+        lay = cand.layout
+        entry["experts"] = {
+            "expert_params_per_rank": max(rank_layer_counts(cfg, lay)) * expert_params_per_rank(cfg, lay.ep),
+            "all_to_all_bytes_per_step": (cand.cost.detail.get("ep_all_to_all_bytes", 0) if cand.cost else 0),
+            "dispatch_buffer_bytes": cand.memory.detail.get("comm", {}).get("ep_dispatch", 0)}
     return entry
 
 

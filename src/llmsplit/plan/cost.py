@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..layout import idle_per_compute
 from ..models.llama import LlamaConfig
+from .experts import all_to_all_bytes_per_step, all_to_all_calls_per_step
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
 from .memory import FP32, compute_pattern, layer_activation_bytes, layer_params, stage_params
@@ -61,13 +62,17 @@ def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Devi
     n_local = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
     dp_comm, dp_exposed = _data_parallel_comm(cfg, layout, work, device, n_local, compute_s)
     tp_s, pp_s = _model_parallel_comm(cfg, layout, work, device)
+    # Every MoE layer waits for its tokens: the all-to-all is on the critical path.
+    a2a_bytes = all_to_all_bytes_per_step(cfg, layout, work)
+    a2a_calls = all_to_all_calls_per_step(cfg, layout, work)
+    ep_s = a2a_bytes / _bw(device, layout.tp * layout.ep) + a2a_calls * COLLECTIVE_LATENCY_S * (layout.ep - 1)
     optimizer_s = _optimizer_time(layout, m, device, n_local)
-    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + optimizer_s
+    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + ep_s + optimizer_s
     tokens_per_s = tokens_step / step
     mfu = per_token * tokens_per_s / (layout.world * device.flops(work.precision))
     detail = {"compute_s": compute_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "bubble_s": bubble_s,
               "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
-              "optimizer_s": optimizer_s, "model_flops_per_token": per_token}
+              "ep_comm_s": ep_s, "ep_all_to_all_bytes": a2a_bytes, "optimizer_s": optimizer_s, "model_flops_per_token": per_token}
     return StepCost(step_time_s=step, tokens_per_s=tokens_per_s, mfu=mfu, detail=detail)
 
 

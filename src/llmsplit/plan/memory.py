@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig
+from .experts import dispatch_buffer_bytes, expert_params_per_rank, routed_expert_params
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
 
@@ -55,10 +56,11 @@ class Breakdown:
 
 # ---------------------------------------------------------------- parameters
 
-def layer_params(cfg: LlamaConfig, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
+def layer_params(cfg: LlamaConfig, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of one decoder layer on one tensor-parallel (or expert-parallel) rank (norms
+    are replicated; ep keeps 1/ep of the routed experts)."""
     norms, kv = 2 * cfg.dim, cfg.kv_params()
-    q_o_mlp = cfg.layer_params() - kv - norms
+    q_o_mlp = cfg.layer_params() - kv - norms - (routed_expert_params(cfg) - expert_params_per_rank(cfg, ep))
     # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
     kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
     return q_o_mlp // tp + kv_share + norms
@@ -76,7 +78,7 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
     # A tied head shares the embedding's tensor only when both live on the same rank.
     head = table if last and (not cfg.tie_embeddings or not first) else 0
     n_layers = rank_layer_counts(cfg, layout)[stage]
-    return {"n_layers": n_layers, "layers": n_layers * layer_params(cfg, t), "embedding": table if first else 0,
+    return {"n_layers": n_layers, "layers": n_layers * layer_params(cfg, t, layout.ep), "embedding": table if first else 0,
             "head": head, "final_norm": cfg.dim if last else 0, "has_head": last}
 
 
@@ -90,11 +92,6 @@ def lora_layer_params(cfg: LlamaConfig, work: Workload, tp: int = 1) -> int:
               "down": (cfg.ffn_dim, cfg.dim, tp, 1)}
     targets = [shapes[t.strip()] for t in work.lora_targets.split(",") if t.strip()] if r else []
     return sum(r * n_in // a_split + n_out * r // b_split for n_in, n_out, a_split, b_split in targets)
-
-
-def fsdp_root_params(cfg: LlamaConfig, layout: Layout, stage: dict) -> int:
-    """FSDP's root unit: what is not inside a block (embedding, final norm, head)."""
-    return stage["embedding"] + stage["head"] + stage["final_norm"]
 
 
 # ---------------------------------------------------------------- model states
@@ -349,7 +346,7 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
         # from forward to backward, zero 3 holds the current block and prefetches the next,
         # except under a schedule with split backward, where it keeps them as zero 2 does
         # (data_parallel.apply_fsdp).
-        root = fsdp_root_params(cfg, layout, stage)
+        root = stage["embedding"] + stage["head"] + stage["final_norm"]  # what is not inside a block
         all_gathered = layout.zero == 2 or (layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
         out["gathered_params"] = c * (n_params if all_gathered else root + 2 * unit)
         # A block's unsharded gradient in compute dtype, and its fp32 copy for reduce-scatter.
@@ -364,6 +361,8 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
         out["tp_collectives"] = 2 * tokens * cfg.dim * c  # an all-gather output and its input
     if layout.pp > 1:
         out["pp_send_recv"] = 2 * tokens * cfg.dim * c // (layout.tp if layout.sp else 1)
+    if layout.ep > 1:
+        out["ep_dispatch"] = dispatch_buffer_bytes(cfg, layout, work)
     out["total"] = int(sum(out.values()))
     return out
 

@@ -19,6 +19,8 @@ def layout_text(layout: dict) -> str:
         keys.insert(keys.index("pp") + 1, "pp_schedule")
     if layout["offload"] != "none":
         keys.append("offload")
+    if layout.get("ep", 1) > 1:
+        keys.insert(keys.index("pp") + 1, "ep")
     return ",".join(f"{k}={layout[k]}" for k in keys)
 
 
@@ -42,6 +44,11 @@ def format_report(report: dict) -> str:
         lines.append(f"{i:>4} {cells} {lay['step_time_s']:8.3f} {lay['tokens_per_s']:8.0f} {lay['mfu'] * 100:5.1f}%")
         lines.append(f"     {layout_text(lay['layout'])}"
                      + (f"  (host {lay['host_bytes_per_device'] / GiB:.1f} GiB)" if lay["host_bytes_per_device"] else ""))
+        if lay.get("experts") and lay["layout"].get("ep", 1) > 1:
+            e = lay["experts"]
+            lines.append(f"     experts per rank {e['expert_params_per_rank'] / 1e6:.1f} M parameters, all-to-all "
+                         f"{e['all_to_all_bytes_per_step'] / GiB:.2f} GiB a step, dispatch buffers "
+                         f"{e['dispatch_buffer_bytes'] / GiB:.2f} GiB")
         lines.append("     fits" if lay["fits"] else f"     does not fit: {lay['why_not']}")
     if report["advice"]:
         lines += ["", report["advice"]]

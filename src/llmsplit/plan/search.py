@@ -97,6 +97,9 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
         schedules = ["1f1b", "zbv"] if minimal else ["1f1b", "interleaved_1f1b", "zbv"]
     micro = [1] if minimal else _powers_of_two_dividing(per_rank)
     checkpoints = ["full"] if minimal else ["none", "selective", "full"]
+    # Expert parallel for MoE models: every degree that divides dp and the experts (the rules
+    # in layout/ say which combinations run).
+    eps = [e for e in divisors(dp) if e == 1 or (cfg.n_experts and cfg.n_experts % e == 0)]
     for zero in zeros:
         replicas = [1]
         shard_in_node = device.gpus_per_node // tp
@@ -107,9 +110,10 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
                 v = 2 if sched in ("interleaved_1f1b", "zbv") else 1
                 for mb in micro:
                     for ac in checkpoints:
-                        yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
-                                     pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
-                                     micro_batch=mb, activation_checkpoint=ac)
+                        for ep in eps if zero == 0 and r == 1 else [1]:
+                            yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
+                                         pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
+                                         micro_batch=mb, activation_checkpoint=ac, ep=ep)
     # A model too big for the devices' memory can still train with its sharded state on
     # the host (FSDP's CPU offload), on a single device too.
     if device.kind != "cpu":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..io.procfs import proc_bytes
+from ..models.moe import MoE
 from ..parallel.data_parallel import local_optimizer
 
 
@@ -35,7 +36,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     disk_ids = {id(t) for t in on_disk}
     optim = [v for state in local.state.values() for v in state.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0 and id(v) not in disk_ids]
+    experts = [getattr(m, w) for m in model.modules() if isinstance(m, MoE) for w in ("w1", "w3", "w2")]
     return {"param_bytes": tensor_bytes(params),
+            "expert_param_bytes": tensor_bytes(experts),  # the routed experts' share of param_bytes
             "grad_bytes": tensor_bytes(p.grad for p in params),
             "optim_bytes": tensor_bytes(optim),
             "offloaded_bytes": tensor_bytes(on_disk)}

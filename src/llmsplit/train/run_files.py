@@ -94,7 +94,7 @@ def run_summary(cfg: Config, world: int, model_cfg, history: list[dict], per_ran
         "world_size": world,
         "layout": {"dp": par.dp, "dp_replicate": par.dp_replicate, "zero": par.zero, "tp": par.tp, "pp": par.pp,
                    "pp_schedule": par.pp_schedule, "activation_checkpoint": mem.activation_checkpoint,
-                   "offload": mem.offload},
+                   "offload": mem.offload, "ep": par.ep},
         "micro_batch": micro_batch,
         "steps": cfg.train.steps,
         "final_loss": final_loss,
