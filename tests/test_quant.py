@@ -155,3 +155,21 @@ def test_packed_under_tp_pp_and_disk_offload(folder, tmp_path):
     assert off.device_map["layers.1"] == "disk" and "layers.1.attention.wq.weight" not in _packed_names(off)
     assert off.generate(prompt, max_new_tokens=8, ignore_eos=True) == want
     off.close()
+
+
+def test_many_rows_widen_tile_by_tile(monkeypatch):
+    """Above KERNEL_MAX_ROWS the weight is widened to bf16 a tile of output rows at a time:
+    the int4, Q8_0 (two nibbles) and int8 forms give the dequantized weight's product, also
+    over several tiles and a last tile of padded rows (100 rows: blocks of 64)."""
+    rng = np.random.default_rng(1)
+    w = torch.randn(100, 128)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    packed = {"int4": quantize(w, "int4"), "int8": quantize(w, "int8"),
+              "q8_0": pack_groups(from_gguf_blocks("Q8_0", raw, 100, 128))}
+    x = torch.from_numpy(rng.standard_normal((40, 128)).astype(np.float32))
+    for tile in (kernels.TILE_ELEMS, 64 * 128):  # one tile; two (the second padded)
+        monkeypatch.setattr(kernels, "TILE_ELEMS", tile)
+        for kind, p in packed.items():
+            want = x @ p.dequantize().t()
+            got = torch.nn.functional.linear(x, p)
+            assert got.shape == want.shape and (got - want).abs().max() < 0.01 * want.abs().max(), kind

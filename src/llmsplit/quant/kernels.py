@@ -8,13 +8,17 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   0.10 ms for gate/up [3072, 576] against 0.27 ms for float32, the Q8_0 head [49152, 576]
   4.3 ms against 8.7 ms.
 - From about 32 rows on they fall behind float32 (64 rows of gate/up: 3.0 ms against 2.4;
-  256 rows: 11.5 against 6.9), so a prompt's rows dequantize the weight once for the call
-  and run the float32 matmul: `KERNEL_MAX_ROWS`.
+  256 rows: 11.5 against 6.9), so a prompt's rows (`KERNEL_MAX_ROWS`) widen the weight to
+  bfloat16 tile by tile into a reused workspace and run oneDNN's bf16 GEMM (AMX here):
+  512 rows of gate/up 9.5 ms against 24 for float32 and 41 for the int4 kernel, the Q8_0
+  head 302 against 544 (under load; docs/quantization.md). Widening to float32 first, as
+  before, cost more than the float32 matmul itself.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +84,7 @@ def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, rows: int, group: int, d
 def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > KERNEL_MAX_ROWS:
-        return F.linear(x, w.dequantize().to(x.dtype))
+        return _tiled(x, w, _int4_tile)
     xb = rows.to(torch.bfloat16)
     if w.doubled:
         xb = torch.cat([xb, xb], dim=1)
@@ -91,6 +95,73 @@ def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, w) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > KERNEL_MAX_ROWS:
-        return F.linear(x, w.dequantize().to(x.dtype))
+        return _tiled(x, w, _int8_tile)
     y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), w.packed, w.scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+# Many rows (a prompt): the weight is widened to bfloat16 a tile of output rows at a time into
+# one reused workspace and multiplied there (oneDNN's bf16 GEMM, AMX where the CPU has it), so
+# no whole float weight ever exists and no allocation is paid per call. A tile is at most
+# TILE_ELEMS weights: 4 MiB of bf16, the size of a layer's gate/up on SmolLM2-135M.
+TILE_ELEMS = 1 << 21
+_workspaces = threading.local()
+
+
+def _workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_workspaces, slot, None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = torch.empty(max(numel, TILE_ELEMS), dtype=dtype)
+        setattr(_workspaces, slot, buf)
+    return buf[:numel]
+
+
+def _tiled(x: torch.Tensor, w, tile_fn) -> torch.Tensor:
+    """x @ w.T with the weight widened tile by tile (`tile_fn(w, start, stop)` -> bf16 [in, stop - start])."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    n = w.shape[0]
+    cols = w.shape[1] if w.kind == "int8" else w.packed.numel() * 2 // w.scales.shape[1]  # Q8_0: 2 x in
+    step = max(ROW_ALIGN, TILE_ELEMS // cols // ROW_ALIGN * ROW_ALIGN)
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        torch.mm(rows, tile_fn(w, start, stop), out=y[:, start:stop])
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _int8_tile(w, start: int, stop: int) -> torch.Tensor:
+    out = _workspace("bf16", (stop - start) * w.shape[1], torch.bfloat16).view(stop - start, w.shape[1])
+    torch.mul(w.packed[start:stop], w.scales[start:stop, None], out=out)
+    return out.t()
+
+
+def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of an int4 weight as bf16 [in, rows], with the kernel's bf16 scales
+    and zeros: (q - 8) * scale + zero, rounded once. The kernel's layout is [rows / B, in, B/2]
+    bytes (`int4_block`), rows j and j + B/2 of a block sharing a byte, so the nibbles split
+    into [blocks, in, 2, B/2] are the rows in order. Every step is one contiguous pass; an
+    `addcmul` whose scales broadcast with a stride was 10x slower, measured."""
+    b = int4_block()
+    cols = w.packed.numel() * 2 // w.scales.shape[1]
+    wanted, stop = stop - start, -(-stop // b) * b  # the last tile reads the padded rows too
+    rows = stop - start
+    p = w.packed.view(-1, cols, b // 2)[start // b:stop // b]
+    q = _workspace("i8", p.numel() * 2, torch.int8).view(-1, cols, 2, b // 2)
+    torch.bitwise_and(p, 15, out=q[:, :, 0])
+    torch.bitwise_right_shift(p, 4, out=q[:, :, 1])
+    sz = w.scales[:, start:stop]  # [groups, rows, 2]
+    if w.doubled:  # Q8_0: the int8 value is 16 (hi - 8) + lo, the scale the low half's d, exactly
+        cols //= 2
+        q = q[:, :cols].sub_(8).mul_(16).add_(q[:, cols:])
+        sz = sz[sz.shape[0] // 2:]
+    else:
+        q.sub_(8)
+    out = _workspace("bf16", cols * rows, torch.bfloat16).view(cols, rows)
+    out.view(cols, -1, b).copy_(q.reshape(-1, cols, b).transpose(0, 1))
+    grouped = out.view(sz.shape[0], -1, rows)
+    scale = sz[..., 0].unsqueeze(1).contiguous()
+    if w.doubled:
+        grouped.mul_(scale)
+    else:
+        torch.addcmul(sz[..., 1].unsqueeze(1).contiguous(), grouped, scale, out=grouped)
+    return out[:, :wanted]
