@@ -191,16 +191,18 @@ def test_aux_loss_and_tokens_per_expert_are_the_same_whatever_the_layout(tmp_pat
 
 @pytest.mark.slow
 def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path):
-    """ep 2 on 4 workers (each expert on 2 ranks: its gradient summed over them), ep 4, and ep 2
-    × pp 2: the losses of one process at every step; each ep rank holds 1/ep of the experts;
-    checkpoints continue under another ep degree (ep 2 -> 4, ep 1 -> 2 × pp 2)."""
+    """ep 2 on 4 workers (each expert on 2 ranks: its gradient summed over them), ep 4 × zero 2 and
+    ep 2 × pp 2 × zero 3: the losses of one process at every step; each ep rank holds 1/ep of the
+    experts, as the planner predicts; checkpoints continue under another ep degree and ZeRO level
+    (ep 2 -> 4, ep 1 -> 2 × pp 2)."""
     sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4",
             "train.warmup_steps=1", "checkpoint.every=2"]
     train(tmp_path / "one", *sets)
     train(tmp_path / "ep2", *sets, "parallel.ep=2", nproc=4)
     ck = {name: str(tmp_path / name / "checkpoints" / "step_2") for name in ("one", "ep2")}
-    train(tmp_path / "ep4", *sets, "parallel.ep=4", nproc=4, extra=("--resume", ck["ep2"]))
-    train(tmp_path / "ep2_pp2", *sets, "parallel.ep=2", "parallel.pp=2", nproc=4, extra=("--resume", ck["one"]))
+    train(tmp_path / "ep4", *sets, "parallel.ep=4", "parallel.zero=2", nproc=4, extra=("--resume", ck["ep2"]))
+    train(tmp_path / "ep2_pp2", *sets, "parallel.ep=2", "parallel.pp=2", "parallel.zero=3", nproc=4,
+          extra=("--resume", ck["one"]))
     one = losses(tmp_path / "one")
     assert_close_losses(losses(tmp_path / "ep2"), one)
     for name in ("ep4", "ep2_pp2"):
@@ -208,8 +210,12 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     rows = {name: [json.loads(line)["tokens_per_expert"] for line in (tmp_path / name / "metrics.jsonl").open()]
             for name in ("one", "ep2")}
     assert rows["one"] == rows["ep2"]
-    experts = {name: [r["expert_param_bytes"] for r in json.loads((tmp_path / name / "summary.json").read_text())
-                      ["per_rank"]] for name in ("one", "ep2", "ep4")}
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text())
+                 for name in ("one", "ep2", "ep4", "ep2_pp2")}
+    for name, summary in summaries.items():
+        assert summary["layout"]["ep"] == {"one": 1, "ep4": 4}.get(name, 2)
+        assert abs(summary["plan_check"]["ratio_model_state"] - 1) < 0.01, (name, summary["plan_check"])
+    experts = {name: [r["expert_param_bytes"] for r in summaries[name]["per_rank"]] for name in ("one", "ep2", "ep4")}
     assert experts["one"][0] == 2 * 4 * 3 * 128 * 128 * 4  # 2 layers of 4 experts, fp32
     for ep in (2, 4):
         assert max(experts[f"ep{ep}"]) <= 1.05 * experts["one"][0] / ep, experts

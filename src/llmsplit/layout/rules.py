@@ -130,9 +130,11 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
         raise ConfigError(f"parallel.ep={ep} does not divide the {layout.dp} data-parallel ranks (parallel.dp); use "
                           f"parallel.ep in {', '.join(map(str, divisors(layout.dp)))}")
     # Not (yet) equal to one process, so refused: ZeRO-1 broadcasts every parameter over all
-    # of dp (experts differ between ep ranks); FSDP, hybrid sharding, LoRA and NVMe offload untried.
+    # of dp (experts differ between ep ranks); hybrid sharding, LoRA, offload and fp16 untried.
     lora = work.lora_rank if work is not None else 0
-    for bad, name, value, fix in ((layout.zero != 0, "parallel.zero", layout.zero, "parallel.zero=0"),
+    precision = work.precision if work is not None else "fp32"
+    for bad, name, value, fix in ((layout.zero == 1, "parallel.zero", layout.zero, "parallel.zero=0, 2 or 3"),
+                                  (precision == "fp16", "train.precision", precision, 'train.precision="bf16"'),
                                   (layout.dp_replicate > 1, "parallel.dp_replicate", layout.dp_replicate,
                                    "parallel.dp_replicate=1"),
                                   (layout.offload != "none", "memory.offload", layout.offload, 'memory.offload="none"'),

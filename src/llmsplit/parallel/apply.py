@@ -57,8 +57,11 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         parts = make_stages(parts)
     if par.zero >= 2:
         roots = parts.stage_modules if parts is not None else [model]
+        # Expert parallel's experts are already split over ep and average over other ranks
+        # than FSDP's (sync_gradients): FSDP leaves them alone.
+        experts = {p for p in model.parameters() if is_expert_weight(p)}
         apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=mem.offload == "cpu",
-                   split_backward=par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
+                   split_backward=par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES, ignored=experts)
     # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
     model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)

@@ -54,7 +54,7 @@ def _no_buffer_sync() -> dict:
 
 
 def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, precision: str,
-               cpu_offload: bool, split_backward: bool = False) -> nn.Module:
+               cpu_offload: bool, split_backward: bool = False, ignored: set | None = None) -> nn.Module:
     """Shard `model` (still on the meta device) in place; weights are materialised later,
     already sharded, so no rank ever holds the whole model. `roots` are the modules that
     are called: the model itself, or each pipeline stage (whose embedding, norm and head
@@ -65,13 +65,14 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     forward to its last weight-gradient pass of the step, as zero 2 does: resharding after
     each forward freed them while a weight-gradient pass was still due, and its gradients
     were lost (zbv, dp 2 × pp 2: losses off the single process from the second step). The
-    schedule reshards each stage after its last use in the step."""
+    schedule reshards each stage after its last use in the step. `ignored`: parameters FSDP
+    neither shards nor synchronises (expert parallel's experts)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     assert zero in (2, 3), zero
     # Hybrid sharding is refused with expert parallel (layout/rules.py), so edp is dp_shard there.
     dp_mesh = mesh.mesh["dp_replicate", "edp"] if mesh.dims.dp_replicate > 1 else mesh.sub("dp_shard")
-    kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision)}
+    kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision), "ignored_params": ignored or None}
     if cpu_offload:
         # Pinned host memory needs an accelerator; a CPU-only build refuses it.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())

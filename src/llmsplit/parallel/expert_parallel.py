@@ -75,7 +75,8 @@ class ExpertDispatch:
         # Arrived rows lie by (source rank, expert); the grouped matmul wants them by expert.
         segment = torch.repeat_interleave(torch.arange(ep * n_local, device=rows.device), received.flatten())
         by_expert = ((segment % n_local) * ep + segment // n_local).argsort(stable=True)
-        local = [getattr(moe, name).to_local() for name in EXPERT_WEIGHTS]
+        # FSDP (zero 2/3) casts the rest of the model to its compute dtype, never the experts.
+        local = [getattr(moe, name).to_local().to(rows.dtype) for name in EXPERT_WEIGHTS]
         out = grouped_swiglu(arrived[by_expert], received.sum(0), *local)
         back = out[by_expert.argsort()]  # as they arrived
         return all_to_all_single_autograd(back, send, recv, self.group)

@@ -122,7 +122,8 @@ class ParallelModel:
         # Each expert's gradient already sums the tokens of its ep group: summed over the
         # expert_dp ranks and divided by the whole dp degree, it is the global batch's mean.
         params = list(self.model.parameters())
-        allreduce_gradients([p for p in params if not is_expert_weight(p)], self.mesh.group("dp"))
+        if self.manual_grad_group is not None:  # else FSDP reduced the rest during backward
+            allreduce_gradients([p for p in params if not is_expert_weight(p)], self.manual_grad_group)
         allreduce_gradients([p for p in params if is_expert_weight(p)], self.mesh.group("expert_dp"),
                             divisor=self.mesh.size("dp"))
 

@@ -271,7 +271,10 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     layers = sp_["n_layers"]
     fused = device.kind == "cpu" or work.precision != "fp32"
 
-    states = model_state_bytes(n_params, layout.zero, layout.shard, adapters if work.lora_rank else None)
+    # Expert parallel's experts: split over ep, never sharded by ZeRO (parallel/apply.py).
+    experts = sp_["n_layers"] * expert_params_per_rank(cfg, layout.ep) if layout.ep > 1 else 0
+    states = model_state_bytes(n_params - experts, layout.zero, layout.shard, adapters if work.lora_rank else None)
+    states = {k: v + model_state_bytes(experts, 0, 1)[k] for k, v in states.items()}
     host = 0
     if layout.offload == "cpu":
         # FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer state live on the host.
@@ -341,7 +344,7 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
     if layout.dp > 1 and layout.zero <= 1:
         out["ddp_buckets"] = FP32 * trained  # all buckets, allocated once, 25 MB each
     if layout.zero >= 2:
-        unit = layer_params(cfg, layout.tp)
+        unit = layer_params(cfg, layout.tp, layout.ep)
         # The root unit is never resharded after forward; zero 2 keeps every block gathered
         # from forward to backward, zero 3 holds the current block and prefetches the next,
         # except under a schedule with split backward, where it keeps them as zero 2 does

@@ -110,7 +110,7 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
                 v = 2 if sched in ("interleaved_1f1b", "zbv") else 1
                 for mb in micro:
                     for ac in checkpoints:
-                        for ep in eps if zero == 0 and r == 1 else [1]:
+                        for ep in eps if zero != 1 and r == 1 else [1]:
                             yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
                                          pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
                                          micro_batch=mb, activation_checkpoint=ac, ep=ep)
