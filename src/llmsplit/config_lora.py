@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,14 +17,22 @@ class LoraSection:
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0
     targets: str = "q,k,v,o,gate,up,down"
-    base: str = "none"  # "nf4" | "int8" (QLoRA) are reserved names, not yet available
+    base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA, adapters/qlora.py)
     init: str | None = None  # a PEFT adapter folder, or a LoRA run (or checkpoint), to start the adapters from
+
+
+BASES = ("none", "nf4", "int8")
 
 
 def check_lora(lora: LoraSection) -> None:
     if lora.rank < 0:
         raise ConfigError(f"lora.rank={lora.rank} must be at least 0 (0 = no LoRA, every parameter trains)")
+    if lora.base not in BASES:
+        raise ConfigError(f"lora.base={lora.base!r} is not one of: {', '.join(map(repr, BASES))}")
     if lora.rank == 0:
+        if lora.base != "none":
+            raise ConfigError(f"lora.base={lora.base!r} quantizes the frozen base of LoRA; set lora.rank (e.g. 16) "
+                              f"or remove lora.base")
         return
     if not lora.alpha > 0:
         raise ConfigError(f"lora.alpha={lora.alpha} must be greater than 0")
@@ -33,9 +42,9 @@ def check_lora(lora: LoraSection) -> None:
     unknown = [t for t in targets if t not in TARGET_NAMES]
     if unknown or not targets:
         raise ConfigError(f"lora.targets={lora.targets!r} must be a comma-separated list of: {', '.join(TARGET_NAMES)}")
-    if lora.base != "none":
-        raise ConfigError(f"lora.base={lora.base!r}: a quantized base (QLoRA) is not available in this version; "
-                          f"remove lora.base")
+    if lora.base != "none" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"lora.base={lora.base!r} stores the base with torchao, which is not installed; "
+                          f"pip install 'llmsplit[qlora]' or remove lora.base")
     if lora.init is not None and not Path(lora.init).exists():
         raise ConfigError(f"lora.init={lora.init!r} does not exist; pass a PEFT adapter folder (adapter_config.json) "
                           f"or a LoRA run folder or checkpoint")

@@ -76,6 +76,8 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
     if model is not None:
         check_model(model)
         _check_tensor_parallel(model, layout, work)
+        if work is not None:
+            _check_quantized_base(model, layout, work)
         _check_pipeline_model(model, layout, work)
         if work is not None:
             _check_sequence(model, layout, work)
@@ -215,6 +217,21 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     # No rule for the vocabulary: training's vocabulary-parallel embedding and loss take uneven
     # DTensor shards (vocab 259 on tp 2: loss and gradient norm equal to one process), and
     # inference pads the last shard.
+
+
+def _check_quantized_base(model: LlamaConfig, layout: Layout, work: Workload) -> None:
+    """QLoRA's base is torchao's NF4/int8 tensors: FSDP2 shards them by rows, but tensor
+    parallel's DTensor placements and the experts' batched weights are not theirs."""
+    base = work.lora_base
+    if base == "none" or work.mode != "train":
+        return
+    if layout.tp > 1:
+        raise ConfigError(f"lora.base={base!r} does not split the quantized base by tensor parallel "
+                          f"({_say('tp', layout.tp, work)}); use parallel.tp=1 with data parallel (zero 0-3) or "
+                          f"parallel.pp")
+    if model.n_experts:
+        raise ConfigError(f"lora.base={base!r} does not quantize mixture-of-experts layers (model.n_experts="
+                          f"{model.n_experts}); remove lora.base")
 
 
 def _check_pipeline_model(model: LlamaConfig, layout: Layout, work: Workload | None) -> None:

@@ -82,6 +82,7 @@ class Workload:
     mode: str = "train"
     lora_rank: int = 0  # train with LoRA adapters of this rank (0: every parameter trains)
     lora_targets: str = "q,k,v,o,gate,up,down"
+    lora_base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA)
 
     @property
     def compute_bytes(self) -> int:

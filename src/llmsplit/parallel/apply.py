@@ -1,7 +1,9 @@
 """The single function that turns a plain model into the parallel model the config asks for.
 
 Order (the one torchtitan uses): PP split → TP → EP → LoRA → activation checkpointing → compile →
-FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts). The model is built on the meta device, so no rank ever allocates the whole
+FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts). A quantized
+base (QLoRA) is quantized once its weights are loaded, and FSDP wraps it after that: FSDP2 then
+shards the quantized bytes (adapters/qlora.py). The model is built on the meta device, so no rank ever allocates the whole
 model before it is split; weights are then materialised on the device (already sharded
 under FSDP) and initialised from (seed, parameter name), which gives every layout the
 weights of a single process. What comes back is a `ParallelModel` (parallel_model.py),
@@ -10,12 +12,14 @@ whose methods are everything the training loop asks of the layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
 from ..adapters.lora import apply_lora, init_lora, parse_targets
+from ..adapters.qlora import quantize_base, quantized_names
 from ..config import Config
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig, Transformer
@@ -34,7 +38,9 @@ from .pipeline import make_stages, share_buffers, split_model
 from .tensor_parallel import apply_tp
 
 
-def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device: torch.device,
+                         load_weights: Callable[[nn.Module], None] | None = None) -> ParallelModel:
+    """`load_weights(model)` copies pretrained weights in (shard by shard) after initialisation."""
     par, mem = cfg.parallel, cfg.memory
     with torch.device("meta"):
         model = Transformer(model_cfg)
@@ -55,18 +61,20 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
     if parts is not None:
         # Stages are views over the finished blocks (after TP, checkpointing, compile).
         parts = make_stages(parts)
-    if par.zero >= 2:
-        roots = parts.stage_modules if parts is not None else [model]
-        # Expert parallel's experts are already split over ep and average over other ranks
-        # than FSDP's (sync_gradients): FSDP leaves them alone.
-        experts = {p for p in model.parameters() if is_expert_weight(p)}
-        apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=mem.offload == "cpu",
-                   split_backward=par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES, ignored=experts)
+    quantized = bool(lora.rank) and lora.base != "none"
+    if par.zero >= 2 and not quantized:
+        _shard(model, parts, mesh, cfg)
     # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
     model.to_empty(device="cpu" if mem.offload == "cpu" else device)
     model.init_weights(cfg.train.seed, buffer_device=device)
+    if load_weights is not None:
+        load_weights(model)
     if lora.rank:
         init_lora(model, cfg.train.seed)
+    if quantized:
+        quantize_base(model, lora.base)
+        if par.zero >= 2:
+            _shard(model, parts, mesh, cfg)
     if parts is not None:
         share_buffers(parts)
     module, manual_grad_group = model, None
@@ -78,13 +86,23 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         manual_grad_group = mesh.group("dp") if mesh.size("dp") > 1 else None
     elif par.zero < 2:
         # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
-        module = apply_ddp(model, mesh, device)
+        module = apply_ddp(model, mesh, device, ignore=quantized_names(model))
     precision = cfg.train.precision
     return ParallelModel(module=module, model=model, mesh=mesh, device=device, pipeline=parts,
                          pp_schedule=par.pp_schedule, manual_grad_group=manual_grad_group,
                          expert_parallel=par.ep > 1,
                          amp_dtype=autocast_dtype(par.zero, precision), sharded_loss=par.tp > 1,
                          scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None)
+
+
+def _shard(model: Transformer, parts, mesh: Mesh, cfg: Config) -> None:
+    par = cfg.parallel
+    roots = parts.stage_modules if parts is not None else [model]
+    # Expert parallel's experts are already split over ep and average over other ranks
+    # than FSDP's (sync_gradients): FSDP leaves them alone.
+    experts = {p for p in model.parameters() if is_expert_weight(p)}
+    apply_fsdp(model, roots, mesh, par.zero, cfg.train.precision, cpu_offload=cfg.memory.offload == "cpu",
+               split_backward=par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES, ignored=experts)
 
 
 def build_optimizer(model: nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:

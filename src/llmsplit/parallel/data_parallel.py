@@ -33,9 +33,12 @@ def _loaded(module: str, name: str):
     return getattr(sys.modules.get(module), name, None)
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device, ignore: list[str] = ()) -> nn.Module:
     """Replicate the model over the data-parallel group; gradients are averaged in buckets
-    that overlap with the backward pass."""
+    that overlap with the backward pass. `ignore`: parameters DDP neither broadcasts nor
+    reduces (a quantized frozen base, the same on every rank by construction)."""
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     return DistributedDataParallel(
         model,
         process_group=mesh.group("dp"),

@@ -13,12 +13,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _stored(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s bytes: a tensor subclass (QLoRA's quantized base, a
+    wrapper with no storage of its own) keeps them in its inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in _stored(getattr(t, name))]
+    return [t]
+
+
 def tensor_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = _local(t)
+    for t in (inner for t in tensors if t is not None for inner in _stored(_local(t))):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:  # tied weights count once
             continue
