@@ -49,9 +49,13 @@ def _quiet_torchao():
             logger.setLevel(level)
 
 
-def base_weight_paths(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(layer module, dotted path) of every linear weight the base quantizes."""
-    return [(block.get_submodule(path), path) for block in model.layers.values() for path in TARGETS.values()]
+def base_weight_paths(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(linear module, dotted path) of every weight the base quantizes in `module`: a model, or
+    one decoder layer."""
+    blocks = module.layers.values() if hasattr(module, "layers") else [module]
+    # Activation checkpointing wraps each block; the layers are inside it.
+    blocks = [getattr(block, "_checkpoint_wrapped_module", block) for block in blocks]
+    return [(block.get_submodule(path), path) for block in blocks for path in TARGETS.values()]
 
 
 def _scaler_block(n_blocks: int) -> int:
@@ -99,8 +103,8 @@ def check_base_shapes(model: nn.Module, base: str) -> str | None:
 
 @torch.no_grad()
 def quantize_base(model: nn.Module, base: str) -> None:
-    """Replace every base linear weight of `model` (materialised, frozen) by its quantized form,
-    one weight at a time so that at most one float copy is alive beyond the model's own."""
+    """Replace every base linear weight of `model` (a model or one decoder layer, materialised,
+    frozen) by its quantized form."""
     for module, _ in base_weight_paths(model):
         w = module.weight
         module.weight = nn.Parameter(quantize_weight(w.detach(), base), requires_grad=False)

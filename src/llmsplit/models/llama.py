@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -252,8 +253,10 @@ class Transformer(nn.Module):
         return cos_t[start_pos:], sin_t[start_pos:]
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
-        """Initialise every parameter from (seed, parameter name) alone.
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None,
+                     only: Callable[[str], bool] | None = None):
+        """Initialise every parameter (or those whose name `only` accepts) from (seed, parameter
+        name) alone.
 
         Each tensor is drawn whole on the CPU from its own generator, so the weights are
         the same whatever the world size or layout; a sharded (DTensor) parameter keeps
@@ -265,6 +268,8 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = model_rope_tables(self.cfg, self.cfg.max_seq_len, device)
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in _unique_named_parameters(self):
+            if only is not None and not only(name):
+                continue
             if name.endswith("norm.weight"):
                 full = torch.ones(p.shape)
             elif name.endswith(".bias"):

@@ -22,7 +22,7 @@ from ..adapters.lora import apply_lora, init_lora, parse_targets
 from ..adapters.qlora import quantize_base, quantized_names
 from ..config import Config
 from ..layout import SPLIT_BACKWARD_SCHEDULES
-from ..models.llama import LlamaConfig, Transformer
+from ..models.llama import LlamaConfig, Transformer, plain_name
 from .data_parallel import (
     apply_ddp,
     apply_fsdp,
@@ -62,19 +62,20 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         # Stages are views over the finished blocks (after TP, checkpointing, compile).
         parts = make_stages(parts)
     quantized = bool(lora.rank) and lora.base != "none"
-    if par.zero >= 2 and not quantized:
-        _shard(model, parts, mesh, cfg)
-    # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
-    model.to_empty(device="cpu" if mem.offload == "cpu" else device)
-    model.init_weights(cfg.train.seed, buffer_device=device)
-    if load_weights is not None:
-        load_weights(model)
-    if lora.rank:
-        init_lora(model, cfg.train.seed)
     if quantized:
-        quantize_base(model, lora.base)
+        _materialise_quantized(model, cfg, device, load_weights)
         if par.zero >= 2:
             _shard(model, parts, mesh, cfg)
+    else:
+        if par.zero >= 2:
+            _shard(model, parts, mesh, cfg)
+        # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
+        model.to_empty(device="cpu" if mem.offload == "cpu" else device)
+        model.init_weights(cfg.train.seed, buffer_device=device)
+        if load_weights is not None:
+            load_weights(model)
+    if lora.rank:
+        init_lora(model, cfg.train.seed)
     if parts is not None:
         share_buffers(parts)
     module, manual_grad_group = model, None
@@ -93,6 +94,27 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
                          expert_parallel=par.ep > 1,
                          amp_dtype=autocast_dtype(par.zero, precision), sharded_loss=par.tp > 1,
                          scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None)
+
+
+def _materialise_quantized(model: Transformer, cfg: Config, device: torch.device, load_weights) -> None:
+    """QLoRA: make each decoder layer's weights (initialised, then pretrained ones copied in) and
+    quantize its base at once, a layer at a time, so that a rank never holds more than one
+    layer in float; then the rest of the model (embedding, norm, head, buffers)."""
+    seed = cfg.train.seed
+    for key, block in model.layers.items():
+        prefix = f"layers.{key}."
+        block.to_empty(device=device)
+        model.init_weights(seed, buffer_device=device, only=lambda name: plain_name(name).startswith(prefix))
+        if load_weights is not None:
+            load_weights(model, only=lambda name: name.startswith(prefix))
+        quantize_base(block, cfg.lora.base)
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+    outside = lambda name: not plain_name(name).startswith("layers.")  # noqa: E731
+    model.init_weights(seed, buffer_device=device, only=outside)
+    if load_weights is not None:
+        load_weights(model, only=outside)
 
 
 def _shard(model: Transformer, parts, mesh: Mesh, cfg: Config) -> None:

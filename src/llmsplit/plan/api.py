@@ -7,6 +7,7 @@ import copy
 from dataclasses import replace
 from pathlib import Path
 
+from ..config_lora import check_lora
 from ..config import (Config, ConfigError, layout_of, load_config, model_config, record_model_sizes, to_toml,
                       workload_of)
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
@@ -19,23 +20,26 @@ from ..layout import (PRECISIONS, Layout, Workload, check, check_model, parse_la
 from .search import accepts, evaluate, search
 
 
-def resolve_model(model, tokenizer_vocab: int | None = None) -> tuple[LlamaConfig, str, Config | None]:
+def resolve_model(model, tokenizer_vocab: int | None = None, sets: tuple[str, ...] = ()
+                  ) -> tuple[LlamaConfig, str, Config | None]:
     """A preset name, a Hugging Face folder, a training config file, or a LlamaConfig. A
     Hugging Face folder (or a config's model.hf) is read by the parser that training and
-    inference use, so all three accept and refuse the same config.json."""
+    inference use, so all three accept and refuse the same config.json. `sets` (`--set
+    KEY=VALUE`) make a training config of a preset or folder, or change the file's: the
+    planner reads its lora.*, data.seq_len, train.global_batch and train.precision."""
     if isinstance(model, LlamaConfig):
-        return model, "custom", None
+        return model, "custom", load_config(None, sets) if sets else None
     text = str(model)
     if text in PRESETS:
-        return preset_config(text), text, None
+        return preset_config(text), text, load_config(None, [f"model.preset={text}", *sets]) if sets else None
     path = Path(text)
     if path.suffix == ".toml":
-        cfg = load_config(path)  # a missing or unparsable file is a ConfigError
+        cfg = load_config(path, sets)  # a missing or unparsable file is a ConfigError
         if cfg.model.hf:  # as `llmsplit train` does: the sizes are the folder's
             record_model_sizes(cfg, _hf_folder_config(cfg.model.hf))
         return model_config(cfg, tokenizer_vocab), str(path), cfg
     if is_hf_folder(path):
-        return _hf_folder_config(path), str(path), None
+        return _hf_folder_config(path), str(path), load_config(None, [f"model.hf={path}", *sets]) if sets else None
     raise ConfigError(f"--model {text!r} is not a known preset, a Hugging Face folder or a .toml config; "
                       f"presets: {', '.join(PRESETS)}")
 
@@ -50,7 +54,7 @@ def _hf_folder_config(folder) -> LlamaConfig:
 def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | None = None,
                 seq_len: int | None = None, global_batch: int | None = None, mode: str = "train",
                 layout: str | Layout | None = None, top: int = 5, precision: str | None = None,
-                tokenizer_vocab: int | None = None, cpu_measured: dict | None = None) -> dict:
+                tokenizer_vocab: int | None = None, cpu_measured: dict | None = None, sets: tuple[str, ...] = ()) -> dict:
     """Everything `llmsplit plan` prints, as one JSON-ready dict (best layout first).
     `gpu="cpu"` needs `cpu_measured`, the machine's numbers (`diagnose.probe.measure_cpu()`)."""
     if gpus < 1:
@@ -61,14 +65,17 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
         raise ConfigError(f"--mode {mode!r} is not one of: 'train', 'infer'")
     if nodes is not None and (nodes < 1 or gpus % nodes):
         raise ConfigError(f"--nodes {nodes} must be at least 1 and divide --gpus {gpus}")
-    cfg_model, name, source = resolve_model(model, tokenizer_vocab)
+    cfg_model, name, source = resolve_model(model, tokenizer_vocab, tuple(sets))
+    if source is not None:
+        check_lora(source.lora)
     check_model(cfg_model)  # before anything is sized per layer
     per_node = gpus // nodes if nodes else None
     device = get_device(gpu, workers_per_node=per_node or gpus, cpu_measured=cpu_measured)
     if per_node is None:
         per_node = min(gpus, device.gpus_per_node)
     device = replace(device, gpus_per_node=per_node) if device.kind != "cpu" else device
-    work = _workload(cfg_model, source, gpus, device, seq_len, global_batch, mode, precision)
+    work = _workload(cfg_model, source, gpus, device, seq_len, global_batch, mode, precision,
+                     from_file=str(model).endswith(".toml"))
     fixed = _fixed_layout(layout, gpus)
     result = search(cfg_model, work, gpus, device, fixed)
     cands = result["candidates"]
@@ -79,7 +86,8 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
         "hardware": {"gpu": device.name, "count": gpus, "nodes": -(-gpus // per_node), "gpus_per_node": per_node,
                      **{k: v for k, v in device.to_dict().items() if k not in ("name", "gpus_per_node")}},
         "workload": {"mode": work.mode, "seq_len": work.seq_len, "global_batch": work.global_batch,
-                     "precision": work.precision, "lora_rank": work.lora_rank, "lora_targets": work.lora_targets},
+                     "precision": work.precision, "lora_rank": work.lora_rank, "lora_targets": work.lora_targets,
+                     "lora_base": work.lora_base},
         "considered": len(cands), "fitting": sum(c.fits for c in cands),
         "advice": result["advice"],
         "layouts": [_entry(cfg_model, c) for c in shown],
@@ -105,24 +113,27 @@ def _entry(cfg: LlamaConfig, cand) -> dict:
 
 
 def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device, seq_len, global_batch, mode,
-              precision) -> Workload:
+              precision, from_file: bool = True) -> Workload:
+    """What runs: the flags, else the config's values (a config made of --set alone gives only
+    the keys it names), else the defaults for the device and model."""
+    def given(key: str) -> bool:
+        return source is not None and (from_file or key in source.explicit)
+
     if precision is None:
-        precision = source.train.precision if source else ("fp32" if device.kind == "cpu" else "bf16")
+        precision = source.train.precision if given("train.precision") else ("fp32" if device.kind == "cpu" else "bf16")
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision {precision!r} is not one of: {', '.join(map(repr, PRECISIONS))}")
     if seq_len is None:
-        seq_len = source.data.seq_len if source else min(cfg.max_seq_len, 2048 if mode == "train" else 8192)
+        seq_len = source.data.seq_len if given("data.seq_len") else min(cfg.max_seq_len, 2048 if mode == "train" else 8192)
     if global_batch is None:
-        if source:
-            global_batch = source.train.global_batch
-        else:
-            global_batch = 4 * gpus if mode == "train" else 1
+        global_batch = source.train.global_batch if given("train.global_batch") else (4 * gpus if mode == "train" else 1)
     for flag, value in (("--seq-len", seq_len), ("--global-batch", global_batch)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    lora = {"lora_rank": source.lora.rank, "lora_targets": source.lora.targets} if source and mode == "train" else {}
+    lora = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base}
+            if source and mode == "train" else {})
     return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **lora)
 
 
@@ -175,10 +186,11 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
     if best is None:
         raise ConfigError(f"no layout that this version of llmsplit train runs fits on {gpus} × {gpu}; "
                           f"{report['advice'] or 'see the plan for the reasons'}")
-    cfg_model, name, source = resolve_model(model, kwargs.get("tokenizer_vocab"))
+    cfg_model, name, source = resolve_model(model, kwargs.get("tokenizer_vocab"), tuple(kwargs.get("sets", ())))
     lay = Layout(**{k: v for k, v in best["layout"].items()})
     w = report["workload"]
-    work = Workload(**{k: w[k] for k in ("seq_len", "global_batch", "precision", "mode", "lora_rank", "lora_targets")
+    work = Workload(**{k: w[k] for k in ("seq_len", "global_batch", "precision", "mode", "lora_rank", "lora_targets",
+                                           "lora_base")
                        if k in w})
     cfg = layout_config(source, name, cfg_model, lay, work)
     out = Path(path)

@@ -26,6 +26,10 @@ from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
 
 FP32 = 4
+# Bytes a value of a quantized frozen base takes (adapters/qlora.py, torchao's tensors): NF4 is
+# 4 bits plus one int8 scale per block of 64 (the fp32 factors of its double quantization, one
+# per 256 blocks at most, are under 0.1%); int8 is 1 byte plus an fp32 scale per row (ignored).
+STORED_BYTES = {"nf4": 0.5 + 1 / 64, "int8": 1.0}
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
 # glibc's M_MMAP_THRESHOLD in llmsplit's CPU workers (launch.py fixes it at 4 MiB): smaller
 # allocations come from the heap, which keeps what is freed.
@@ -96,17 +100,34 @@ def lora_layer_params(cfg: LlamaConfig, work: Workload, tp: int = 1) -> int:
 
 # ---------------------------------------------------------------- model states
 
-def model_state_bytes(n_params: int, zero: int, shard: int, trained: int | None = None) -> dict:
+def quantized_base_params(cfg: LlamaConfig, work: Workload, n_layers: int) -> int:
+    """Parameters a quantized base (lora.base) stores below fp32: every linear weight of the
+    stage's decoder layers (norms and biases stay fp32, as do the embedding and the head).
+    Dense layers only, on tp 1: layout/rules.py refuses a quantized base otherwise."""
+    if not work.lora_rank or work.lora_base == "none":
+        return 0
+    return n_layers * cfg.layer_matmul_params()
+
+
+def stored_bytes(n_params: int, quantized: int, base: str, c: int = FP32) -> int:
+    """Bytes of `n_params` parameters held at `c` bytes each but `quantized` of them at their
+    quantized width."""
+    return int(c * (n_params - quantized) + (STORED_BYTES[base] * quantized if quantized else 0))
+
+
+def model_state_bytes(n_params: int, zero: int, shard: int, trained: int | None = None, quantized: int = 0,
+                      base: str = "none") -> dict:
     """llmsplit's model states per device: fp32 params, fp32 grads, fp32 Adam moments.
 
     zero 1 shards only the optimizer state (DDP + ZeroRedundancyOptimizer);
     zero 2 and 3 (FSDP2) shard all three; what differs between them is what is gathered
     for compute, counted under communication buffers. `trained`: the parameters that have
-    gradients and optimizer state (LoRA's adapters), when not all of them.
+    gradients and optimizer state (LoRA's adapters), when not all of them; `quantized` of the
+    parameters are stored as `base` (QLoRA).
     """
     n = shard if zero >= 1 else 1
     trained = n_params if trained is None else trained
-    params = FP32 * n_params // (n if zero >= 2 else 1)
+    params = stored_bytes(n_params, quantized, base) // (n if zero >= 2 else 1)
     grads = FP32 * trained // (n if zero >= 2 else 1)
     optimizer = 2 * FP32 * trained // n
     return {"params": params, "grads": grads, "optimizer": optimizer}
@@ -273,7 +294,9 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
 
     # Expert parallel's experts: split over ep, never sharded by ZeRO (parallel/apply.py).
     experts = sp_["n_layers"] * expert_params_per_rank(cfg, layout.ep) if layout.ep > 1 else 0
-    states = model_state_bytes(n_params - experts, layout.zero, layout.shard, adapters if work.lora_rank else None)
+    quantized = quantized_base_params(cfg, work, sp_["n_layers"])
+    states = model_state_bytes(n_params - experts, layout.zero, layout.shard, adapters if work.lora_rank else None,
+                               quantized, work.lora_base)
     states = {k: v + model_state_bytes(experts, 0, 1)[k] for k, v in states.items()}
     host = 0
     if layout.offload == "cpu":
@@ -295,7 +318,8 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     saved += held * head["final_norm"]
     # Autocast keeps a bf16 copy of every matmul weight for backward (zero 0/1 only).
     head_matrix = cfg.vocab_size * cfg.dim // layout.tp if sp_["has_head"] else 0
-    matmul_params = sp_["layers"] - layers * 2 * cfg.dim + head_matrix
+    # A quantized base's weights are dequantized per use and never cast by autocast.
+    matmul_params = sp_["layers"] - layers * 2 * cfg.dim + head_matrix - quantized
     autocast_weights = matmul_params * c if pattern == "autocast" else 0
     working = backward_working_bytes(cfg, b, s, layout, pattern)
     backward_peak = int(saved + autocast_weights + max(head["loss_peak"], recompute + working))
@@ -351,7 +375,10 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
         # (data_parallel.apply_fsdp).
         root = stage["embedding"] + stage["head"] + stage["final_norm"]  # what is not inside a block
         all_gathered = layout.zero == 2 or (layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
-        out["gathered_params"] = c * (n_params if all_gathered else root + 2 * unit)
+        # FSDP2 gathers a quantized base as its quantized bytes (adapters/qlora.py).
+        q_unit = quantized_base_params(cfg, work, 1)
+        out["gathered_params"] = (stored_bytes(n_params, stage["n_layers"] * q_unit, work.lora_base, c) if all_gathered
+                                  else c * root + 2 * stored_bytes(unit, q_unit, work.lora_base, c))
         # A block's unsharded gradient in compute dtype, and its fp32 copy for reduce-scatter.
         grad_unit = max(unit, root) if not work.lora_rank else lora_layer_params(cfg, work, layout.tp)
         out["unsharded_grads"] = (c + FP32) * grad_unit if c != FP32 else FP32 * grad_unit

@@ -32,8 +32,10 @@ def format_report(report: dict) -> str:
              f"{hw['memory_bytes'] / GiB:.1f} GiB each",
              f"workload {w['mode']}: seq {w['seq_len']}, {'global batch' if w['mode'] == 'train' else 'sequences'} "
              f"{w['global_batch']}, {w['precision']}"
-             + (f", LoRA rank {w['lora_rank']} on {w['lora_targets']} (gradients and optimizer state: the adapters; "
-                f"step time still full training's)" if w.get("lora_rank") else ""),
+             + (f", LoRA rank {w['lora_rank']} on {w['lora_targets']}"
+                + (f" over a {w['lora_base']} base" if w.get("lora_base", "none") != "none" else "")
+                + " (gradients and optimizer state: the adapters; step time still full training's)"
+                if w.get("lora_rank") else ""),
              f"{report['considered']} layout(s) considered, {report['fitting']} fit", ""]
     header = "   # " + " ".join(f"{t:>8}" for t in SHORT) + "   step s    tok/s    MFU"
     lines.append("memory per device in GiB")

@@ -17,13 +17,13 @@ from ..models.llama import plain_name
 
 
 @torch.no_grad()
-def load_pretrained(model: torch.nn.Module, source) -> int:
-    """Copy `source`'s weights (an `io.weights` reader) into `model`'s parameters, shard
-    by shard. Returns the bytes read."""
+def load_pretrained(model: torch.nn.Module, source, only=None) -> int:
+    """Copy `source`'s weights (an `io.weights` reader) into `model`'s parameters (those whose
+    name `only` accepts), shard by shard. Returns the bytes read."""
     read = 0
     for name, p in model.named_parameters():
         name = plain_name(name)  # wrappers add prefixes that the weights do not have
-        if is_adapter(name):
+        if is_adapter(name) or (only is not None and not only(name)):
             continue  # LoRA's adapters start from their own initialisation
         if isinstance(p, DTensor):
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)

@@ -114,7 +114,8 @@ class Trainer:
         self.model_cfg = model_config(cfg, tokenizer.vocab_size)
         self.mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
         self.dp_rank, self.dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
-        pretrained = (lambda model: load_pretrained(model, HFWeights(cfg.model.hf))) if cfg.model.hf else None
+        weights = HFWeights(cfg.model.hf) if cfg.model.hf else None
+        pretrained = (lambda model, only=None: load_pretrained(model, weights, only)) if weights else None
         self.pm = build_parallel_model(self.model_cfg, cfg, self.mesh, device, load_weights=pretrained)
         if cfg.lora.init:
             load_adapters(self.pm.model, cfg.lora.init, cfg.lora, self.model_cfg)
