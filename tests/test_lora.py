@@ -41,7 +41,6 @@ def test_adapters_start_as_the_base_and_only_they_train():
 @pytest.mark.parametrize("sets, fragment", [
     (["lora.rank=-1"], "lora.rank=-1 must be at least 0"),
     (["lora.rank=8", "lora.targets=q,x"], "comma-separated list of: q, k, v, o, gate, up, down"),
-    (["lora.rank=8", "lora.base=nf4"], "not available in this version"),
     (["lora.rank=8", "lora.dropout=1.0"], "below 1"),
 ])
 def test_lora_keys_are_checked(sets, fragment):

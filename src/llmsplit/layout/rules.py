@@ -73,11 +73,10 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
     training = work is None or work.mode == "train"
     if work is not None and training:
         _check_batches(layout, work)
+        _check_quantized_base(model, layout, work)
     if model is not None:
         check_model(model)
         _check_tensor_parallel(model, layout, work)
-        if work is not None:
-            _check_quantized_base(model, layout, work)
         _check_pipeline_model(model, layout, work)
         if work is not None:
             _check_sequence(model, layout, work)
@@ -219,17 +218,17 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     # inference pads the last shard.
 
 
-def _check_quantized_base(model: LlamaConfig, layout: Layout, work: Workload) -> None:
+def _check_quantized_base(model: LlamaConfig | None, layout: Layout, work: Workload) -> None:
     """QLoRA's base is torchao's NF4/int8 tensors: FSDP2 shards them by rows, but tensor
     parallel's DTensor placements and the experts' batched weights are not theirs."""
     base = work.lora_base
-    if base == "none" or work.mode != "train":
+    if base == "none":
         return
     if layout.tp > 1:
         raise ConfigError(f"lora.base={base!r} does not split the quantized base by tensor parallel "
                           f"({_say('tp', layout.tp, work)}); use parallel.tp=1 with data parallel (zero 0-3) or "
                           f"parallel.pp")
-    if model.n_experts:
+    if model is not None and model.n_experts:
         raise ConfigError(f"lora.base={base!r} does not quantize mixture-of-experts layers (model.n_experts="
                           f"{model.n_experts}); remove lora.base")
 

@@ -24,12 +24,8 @@ from ..models.llama import LlamaConfig
 from .experts import dispatch_buffer_bytes, expert_params_per_rank, routed_expert_params
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
+from .states import FP32, model_state_bytes, quantized_base_params, stored_bytes, zero_paper_bytes  # noqa: F401
 
-FP32 = 4
-# Bytes a value of a quantized frozen base takes (adapters/qlora.py, torchao's tensors): NF4 is
-# 4 bits plus one int8 scale per block of 64 (the fp32 factors of its double quantization, one
-# per 256 blocks at most, are under 0.1%); int8 is 1 byte plus an fp32 scale per row (ignored).
-STORED_BYTES = {"nf4": 0.5 + 1 / 64, "int8": 1.0}
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
 # glibc's M_MMAP_THRESHOLD in llmsplit's CPU workers (launch.py fixes it at 4 MiB): smaller
 # allocations come from the heap, which keeps what is freed.
@@ -96,53 +92,6 @@ def lora_layer_params(cfg: LlamaConfig, work: Workload, tp: int = 1) -> int:
               "down": (cfg.ffn_dim, cfg.dim, tp, 1)}
     targets = [shapes[t.strip()] for t in work.lora_targets.split(",") if t.strip()] if r else []
     return sum(r * n_in // a_split + n_out * r // b_split for n_in, n_out, a_split, b_split in targets)
-
-
-# ---------------------------------------------------------------- model states
-
-def quantized_base_params(cfg: LlamaConfig, work: Workload, n_layers: int) -> int:
-    """Parameters a quantized base (lora.base) stores below fp32: every linear weight of the
-    stage's decoder layers (norms and biases stay fp32, as do the embedding and the head).
-    Dense layers only, on tp 1: layout/rules.py refuses a quantized base otherwise."""
-    if not work.lora_rank or work.lora_base == "none":
-        return 0
-    return n_layers * cfg.layer_matmul_params()
-
-
-def stored_bytes(n_params: int, quantized: int, base: str, c: int = FP32) -> int:
-    """Bytes of `n_params` parameters held at `c` bytes each but `quantized` of them at their
-    quantized width."""
-    return int(c * (n_params - quantized) + (STORED_BYTES[base] * quantized if quantized else 0))
-
-
-def model_state_bytes(n_params: int, zero: int, shard: int, trained: int | None = None, quantized: int = 0,
-                      base: str = "none") -> dict:
-    """llmsplit's model states per device: fp32 params, fp32 grads, fp32 Adam moments.
-
-    zero 1 shards only the optimizer state (DDP + ZeroRedundancyOptimizer);
-    zero 2 and 3 (FSDP2) shard all three; what differs between them is what is gathered
-    for compute, counted under communication buffers. `trained`: the parameters that have
-    gradients and optimizer state (LoRA's adapters), when not all of them; `quantized` of the
-    parameters are stored as `base` (QLoRA).
-    """
-    n = shard if zero >= 1 else 1
-    trained = n_params if trained is None else trained
-    params = stored_bytes(n_params, quantized, base) // (n if zero >= 2 else 1)
-    grads = FP32 * trained // (n if zero >= 2 else 1)
-    optimizer = 2 * FP32 * trained // n
-    return {"params": params, "grads": grads, "optimizer": optimizer}
-
-
-def zero_paper_bytes(n_params: float, zero: int, n: int) -> float:
-    """The ZeRO paper's classic mixed-precision Adam accounting (bf16/fp16 params and grads
-    plus fp32 master, momentum, variance = 16 bytes per parameter), per device."""
-    if zero == 0:
-        return 16 * n_params
-    if zero == 1:
-        return 4 * n_params + 12 * n_params / n
-    if zero == 2:
-        return 2 * n_params + 14 * n_params / n
-    return 16 * n_params / n
 
 
 # ---------------------------------------------------------------- activations

@@ -1,0 +1,58 @@
+"""Model states per device: parameters (a quantized base at its stored width), gradients and
+AdamW moments, as llmsplit holds them (plan/memory.py adds activations and buffers)."""
+
+from __future__ import annotations
+
+from ..layout import Workload
+from ..models.llama import LlamaConfig
+
+FP32 = 4
+# Bytes a value of a quantized frozen base takes (adapters/qlora.py, torchao's tensors): NF4 is
+# 4 bits plus one int8 scale per block of 64 (the fp32 factors of its double quantization, one
+# per 256 blocks at most, are under 0.1%); int8 is 1 byte plus an fp32 scale per row (ignored).
+STORED_BYTES = {"nf4": 0.5 + 1 / 64, "int8": 1.0}
+
+
+def quantized_base_params(cfg: LlamaConfig, work: Workload, n_layers: int) -> int:
+    """Parameters a quantized base (lora.base) stores below fp32: every linear weight of the
+    stage's decoder layers (norms and biases stay fp32, as do the embedding and the head).
+    Dense layers only, on tp 1: layout/rules.py refuses a quantized base otherwise."""
+    if not work.lora_rank or work.lora_base == "none":
+        return 0
+    return n_layers * cfg.layer_matmul_params()
+
+
+def stored_bytes(n_params: int, quantized: int, base: str, c: int = FP32) -> int:
+    """Bytes of `n_params` parameters held at `c` bytes each but `quantized` of them at their
+    quantized width."""
+    return int(c * (n_params - quantized) + (STORED_BYTES[base] * quantized if quantized else 0))
+
+
+def model_state_bytes(n_params: int, zero: int, shard: int, trained: int | None = None, quantized: int = 0,
+                      base: str = "none") -> dict:
+    """llmsplit's model states per device: fp32 params, fp32 grads, fp32 Adam moments.
+
+    zero 1 shards only the optimizer state (DDP + ZeroRedundancyOptimizer);
+    zero 2 and 3 (FSDP2) shard all three; what differs between them is what is gathered
+    for compute, counted under communication buffers. `trained`: the parameters that have
+    gradients and optimizer state (LoRA's adapters), when not all of them; `quantized` of the
+    parameters are stored as `base` (QLoRA).
+    """
+    n = shard if zero >= 1 else 1
+    trained = n_params if trained is None else trained
+    params = stored_bytes(n_params, quantized, base) // (n if zero >= 2 else 1)
+    grads = FP32 * trained // (n if zero >= 2 else 1)
+    optimizer = 2 * FP32 * trained // n
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def zero_paper_bytes(n_params: float, zero: int, n: int) -> float:
+    """The ZeRO paper's classic mixed-precision Adam accounting (bf16/fp16 params and grads
+    plus fp32 master, momentum, variance = 16 bytes per parameter), per device."""
+    if zero == 0:
+        return 16 * n_params
+    if zero == 1:
+        return 4 * n_params + 12 * n_params / n
+    if zero == 2:
+        return 2 * n_params + 14 * n_params / n
+    return 16 * n_params / n

@@ -1,0 +1,129 @@
+"""QLoRA (issue 17): `lora.base = "nf4" | "int8"` keeps the frozen base's linear weights quantized
+(torchao's tensors) and computes with them dequantized; a run on them logs the losses of a run
+on the dequantized weights in float, in one process and under DDP and ZeRO-3."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import assert_close_losses, losses, train
+
+from llmsplit.adapters.lora import apply_lora, init_lora
+from llmsplit.adapters.qlora import dequantize, is_quantized, quantize_base, quantize_weight
+from llmsplit.config import ConfigError, load_config, validate
+from llmsplit.models.llama import LlamaConfig, Transformer
+
+CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=128, max_seq_len=32)
+
+
+def _lora_model() -> Transformer:
+    model = Transformer(CFG)
+    model.init_weights(0)
+    apply_lora(model, rank=4, alpha=8, dropout=0.0, targets=["q", "v", "down"])
+    init_lora(model, 0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B = 0 at the start: give the update something to carry
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.1, generator=g)
+    return model
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_a_quantized_base_computes_with_its_dequantized_weights(base):
+    """Logits and adapter gradients of the quantized model equal those of the same model holding
+    the dequantized weights in float32; only the adapters get gradients."""
+    quantized, reference = _lora_model(), _lora_model()
+    float_wq = reference.layers["0"].attention.wq.weight.clone()
+    quantize_base(quantized, base)
+    with torch.no_grad():
+        for (name, q), r in zip(quantized.named_parameters(), reference.parameters()):
+            if is_quantized(q):
+                r.copy_(dequantize(q))
+    wq = quantized.layers["0"].attention.wq.weight
+    assert is_quantized(wq) and not wq.requires_grad
+    assert not torch.equal(dequantize(wq), float_wq)  # quantized: not the float weight
+    torch.testing.assert_close(dequantize(wq), float_wq, rtol=0, atol=0.2 * float_wq.abs().max().item())
+    tokens = torch.randint(0, 64, (2, 16))
+    logits = quantized(tokens)
+    torch.testing.assert_close(logits, reference(tokens), rtol=1e-6, atol=1e-6)
+    logits.square().mean().backward()
+    reference(tokens).square().mean().backward()
+    grads = {n: p.grad for n, p in quantized.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(n for n, p in reference.named_parameters() if p.requires_grad)
+    for name, p in reference.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+    stored = sum(t.numel() * t.element_size() for t in (wq.quantized_data, wq.quantized_scalers)) if base == "nf4" \
+        else wq.int_data.numel()
+    assert stored <= wq.numel() * (0.52 if base == "nf4" else 1)
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["lora.rank=4", "lora.base=nf4", "parallel.tp=2"], "does not split the quantized base by tensor parallel"),
+    (["lora.base=nf4"], "quantizes the frozen base of LoRA; set lora.rank"),
+    (["lora.rank=4", "lora.base=fp4"], "is not one of: 'none', 'nf4', 'int8'"),
+])
+def test_quantized_base_keys_are_checked(sets, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate(load_config(None, sets), 2)
+
+
+def test_the_planner_counts_the_base_at_its_stored_width():
+    from llmsplit.layout import Layout, Workload
+    from llmsplit.models.presets import PRESETS
+    from llmsplit.plan.hardware import get_device
+    from llmsplit.plan.memory import memory_per_device
+
+    cfg, gpu = LlamaConfig(**PRESETS["llama-3-8b"]), get_device("H100-80GB")
+    work = dict(seq_len=2048, global_batch=1, lora_rank=16)
+    lora = memory_per_device(cfg, Layout(dp=1), Workload(**work), gpu)
+    nf4 = memory_per_device(cfg, Layout(dp=1), Workload(**work, lora_base="nf4"), gpu)
+    linear = cfg.n_layers * cfg.layer_matmul_params()
+    assert lora.params - nf4.params == pytest.approx(linear * (4 - 0.5 - 1 / 64), rel=1e-6)
+    assert (nf4.grads, nf4.optimizer) == (lora.grads, lora.optimizer)
+
+
+def _dequantized_copy(folder, out, base):
+    """`folder` (a Hugging Face model) with each decoder linear weight replaced by its quantized
+    form dequantized: the float model a QLoRA run on `folder` computes with."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    weights = load_file(folder / "model.safetensors")
+    for name, w in weights.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            weights[name] = dequantize(quantize_weight(w, base)).contiguous()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+QL = ["lora.rank=4", "lora.alpha=8", "train.lr=3e-2", "data.seq_len=32", "train.global_batch=4",
+      "train.micro_batch=2", "train.steps=3", "train.warmup_steps=0"]
+
+
+@pytest.mark.slow
+def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_path):
+    """ZeRO-3 on 2 workers (FSDP2 shards and gathers the NF4 bytes) logs the fp32 losses of one
+    process on the dequantized weights; DDP with bf16 autocast (mixed-precision LoRA) logs them
+    to bf16's precision, with the adapters' master weights and gradients in fp32."""
+    from hf_models import make_hf_folder
+
+    base = make_hf_folder(tmp_path / "base")
+    reference = _dequantized_copy(base, tmp_path / "dequantized", "nf4")
+    train(tmp_path / "ref", f"model.hf={reference}", *QL, nproc=1)
+    want = losses(tmp_path / "ref")
+    assert want[-1] < want[0] - 0.05  # it learns: a tolerance below could not pass a run that does not
+    train(tmp_path / "z3", f"model.hf={base}", "lora.base=nf4", "parallel.zero=3", *QL, nproc=2)
+    assert_close_losses(losses(tmp_path / "z3"), want)
+    summary = json.loads((tmp_path / "z3" / "summary.json").read_text())
+    assert summary["plan_check"]["ratio_model_state"] == pytest.approx(1.0, abs=0.02)
+    train(tmp_path / "ddp", f"model.hf={base}", "lora.base=nf4", "parallel.zero=0", "train.precision=bf16", *QL,
+          nproc=2)
+    got = losses(tmp_path / "ddp")
+    assert_close_losses(got, want, rtol=5e-3)
+    assert got != want  # bf16 did compute
+    (rank0, _) = json.loads((tmp_path / "ddp" / "summary.json").read_text())["per_rank"]
+    (ref0,) = json.loads((tmp_path / "ref" / "summary.json").read_text())["per_rank"]
+    assert (rank0["grad_bytes"], rank0["optim_bytes"]) == (ref0["grad_bytes"], ref0["optim_bytes"])  # fp32 adapters
