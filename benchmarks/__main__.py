@@ -13,12 +13,12 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import checkpointing, ddp, finetune, infer, model_parallel, offload, peers_train, serve, threads
+from . import checkpointing, ddp, finetune, infer, model_parallel, offload, peers_train, serve, threads, train_threads
 from .plots import available as can_plot
 
 BENCHMARKS = {"ddp": ddp, "peers": peers_train, "finetune": finetune, "model_parallel": model_parallel,
               "checkpointing": checkpointing, "infer": infer, "offload": offload, "serve": serve,
-              "threads": threads}
+              "threads": threads, "train_threads": train_threads}
 
 
 def machine() -> str:

@@ -61,7 +61,7 @@ def test_the_thread_tuner_keeps_the_faster_count_and_backs_off(monkeypatch):
     import torch
 
     from llmsplit import threads
-    from llmsplit.infer import thread_tuner
+    from llmsplit import threads as thread_tuner
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     chosen = []
@@ -88,5 +88,57 @@ def test_the_thread_tuner_keeps_the_faster_count_and_backs_off(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice: left alone
     assert not thread_tuner.ThreadTuner(threads=2).enabled
     assert not thread_tuner.ThreadTuner(threads=1).enabled
+    monkeypatch.setenv(threads.CHOSEN_BY_LLMSPLIT, "1")  # set by llmsplit's launcher for its workers: theirs
+    assert thread_tuner.ThreadTuner(threads=2).enabled
     assert threads.oversubscription(cores=2, load=1.5) is None
     assert "load average 5.0 on 2 cores" in threads.oversubscription(cores=2, load=5.0)
+
+
+def test_the_training_thread_tuner_tries_one_thread_only_when_steps_slow_down(monkeypatch):
+    """Training steps do the same work each time, so its tuner never tries another count on a
+    steady machine; when the steps slow down (another process wants the cores and 2 spinning
+    threads collapse: measured 5.8x), it drops to one thread, and goes back once the machine
+    is quiet again. Step times are synthetic, in the proportions `benchmarks/train_threads.py`
+    measured (quiet: 0.63 s at 2 threads, 1.08 s at 1; loaded: 3.6 s and 1.0 s)."""
+    import torch
+
+    from llmsplit import threads
+    from llmsplit.launch.workers import prepare_workers
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    tuner = threads.ThreadTuner(threads=2, uniform=True)
+    speed = {2: 0.63, 1: 1.08}
+
+    def run(steps):
+        for _ in range(steps):
+            tuner.record(speed[chosen[-1] if chosen else 2])
+
+    run(500)
+    assert chosen == [1, 2] and tuner.current == 2  # quiet: one early trial, then none
+    speed = {2: 3.6, 1: 1.0}
+    run(12)
+    assert tuner.current == 1 and chosen[-1] == 1
+    run(300)  # still loaded: trials of 2 threads lose after two steps, ever more rarely
+    assert tuner.current == 1 and tuner._period == threads.MAX_PERIOD_STEPS
+    losing_trials = len(chosen)
+    speed = {2: 0.63, 1: 1.08}
+    run(threads.MAX_PERIOD_STEPS + 2 * threads.TRIAL_STEPS)
+    assert tuner.current == 2 and tuner.switches == 2 and len(chosen) == losing_trials + 2
+    chosen.clear()
+    tuner, speed = threads.ThreadTuner(threads=2, uniform=True), {2: 3.6, 1: 1.0}
+    run(20)
+    assert tuner.current == 1  # loaded from the start: the early trial finds it
+    # The launcher's own count is marked as its own, recomputed by a later launch, and
+    # tunable in the workers; one the user exported is kept and left alone.
+    _, env = prepare_workers(2)
+    assert env[threads.CHOSEN_BY_LLMSPLIT] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv(threads.CHOSEN_BY_LLMSPLIT, "1")
+    _, env = prepare_workers(4)
+    assert env["OMP_NUM_THREADS"] != "7" and env[threads.CHOSEN_BY_LLMSPLIT] == "1"
+    monkeypatch.delenv(threads.CHOSEN_BY_LLMSPLIT)
+    _, env = prepare_workers(4)
+    assert env["OMP_NUM_THREADS"] == "7" and env[threads.CHOSEN_BY_LLMSPLIT] == "0"
+    assert not threads.ThreadTuner(threads=2, uniform=True).enabled

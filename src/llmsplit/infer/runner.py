@@ -22,10 +22,10 @@ from ..config import ConfigError
 from ..io.weights import read_weight
 from ..models.llama import Transformer
 from ..models.rope import model_rope_tables
+from ..threads import ThreadTuner
 from .kv_cache import PackedStep, PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
-from .thread_tuner import ThreadTuner
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
 
 # Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
@@ -47,7 +47,7 @@ class PieceSpec:
     offload_dir: str | None = None
     layers: list[int] = field(default_factory=list)  # empty: all
     compile: bool = False  # torch.compile the one-token decode step
-    tune_threads: bool = False  # choose the thread count as it decodes (thread_tuner.py)
+    tune_threads: bool = False  # choose the thread count as it decodes (llmsplit/threads.py)
     quantize: str | None = None  # io.weights.read_weight: which weights stay packed
 
 
@@ -145,7 +145,7 @@ class Runner:
                     m.register_forward_hook(self._all_reduce)
         self.model = model.eval()
         self.input_device = first
-        # Decode on the CPU picks its thread count as it runs (thread_tuner.py) in the processes
+        # Decode on the CPU picks its thread count as it runs (llmsplit/threads.py) in the processes
         # llmsplit owns (generate, serve): a library caller's torch threads are its own.
         # Tensor-parallel pieces keep theirs (their ranks step together); CUDA steps are not timed.
         self.tuner = ThreadTuner()

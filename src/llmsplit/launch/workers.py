@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
 
 
 class LaunchError(RuntimeError):
@@ -192,9 +193,14 @@ def prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
     count, returned as the environment that carries it: the cores shared among the workers
     instead of every worker taking all of them; values the user exported are kept."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    omp = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     _small_mmap_threshold()
-    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": os.environ.get("LLMSPLIT_THREADS", omp)}
+    # A count llmsplit chose is marked so: its workers may tune it (threads.ThreadTuner), and
+    # a later launch from this process (which `launch` leaves it in) chooses afresh.
+    if count_is_the_users():
+        omp, chosen = os.environ["OMP_NUM_THREADS"], "0"
+    else:
+        omp, chosen = str(max(1, (os.cpu_count() or 1) // nproc)), "1"
+    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: chosen}
 
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,

@@ -31,6 +31,7 @@ from ..io.tokenizer import load_tokenizer
 from ..launch import join_job
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.mesh import Mesh, ParallelDims
+from ..threads import ThreadTuner
 from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
 from .bubble import PipelineTimes, bubble_report
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -137,6 +138,10 @@ class Trainer:
         self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every) if self.rank0 else None
         self.held = None  # this rank's parameter, gradient and optimizer bytes, taken at the last step
         self.experts = ExpertStats(self.pm.model, self.model_cfg.n_layers, self.model_cfg.n_experts, device)
+        # On the CPU, a thread count llmsplit chose drops to one while other processes want the
+        # cores, where libgomp's spinning barriers would collapse the step (threads.py).
+        self.threads = ThreadTuner(uniform=True)
+        self.threads.enabled &= device.type == "cpu"
 
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
@@ -226,8 +231,12 @@ class Trainer:
             self.hangs.where = f"step {step}"
             profiler.begin(step)
             _maybe_inject_fault(self.rank, step)
+            threads = torch.get_num_threads()
             record = self.train_step(step)
             profiler.end(step)
+            self.threads.record(record["step_time_s"])
+            if self.threads.enabled:
+                record["threads"] = threads
             peaks = rank_peaks(self.device)  # one collective serves the metric and the limit check
             check_memory_limit(cfg.memory.limit_bytes, peaks, step)
             record["peak_mem_bytes"] = max(peaks)

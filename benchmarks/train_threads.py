@@ -1,0 +1,103 @@
+"""Training step time on a quiet and on a loaded machine, by worker count, thread count and
+OpenMP wait policy (issue 23: choose the training workers' default by measurement).
+
+`benchmarks/threads.py` measures decode, where a step is a few milliseconds of small
+parallel regions and libgomp's spin-waiting collapses 2-thread runs when another process
+wants the cores. A training step is mostly large GEMMs, so the same spin costs less per step;
+this measures how much. Each setting is a fresh `llmsplit train` (the built-in tiny model,
+the Quickstart's data) in its own process, first alone, then while the same neighbour as
+`benchmarks/threads.py` runs (a 2-thread decode job with libgomp's defaults); rounds
+alternate the order of the settings. The figure is the median step time of each run's steps
+after the first five (start-up, first-touch allocation and the warm-up schedule excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .threads import _OMP_KEYS, _source, _start_neighbour
+
+TITLE = "Training under CPU contention: workers, threads and OpenMP wait policy (tiny model)"
+# (name, environment, --nproc). The first is llmsplit's default on a 2-core CPU (a worker per
+# core, one thread each), the baseline of the ratios.
+SETTINGS = [
+    ("llmsplit default: 2 workers x 1 thread", {}, 2),
+    ("1 worker x 2 threads, llmsplit default (tuned as it trains)", {}, 1),
+    ("1 worker x 2 threads fixed, libgomp default (spin 300k)", {"OMP_NUM_THREADS": "2"}, 1),
+    ("1 worker x 2 threads fixed, OMP_WAIT_POLICY=PASSIVE", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}, 1),
+    ("1 worker x 1 thread", {"OMP_NUM_THREADS": "1"}, 1),
+]
+SKIP_STEPS = 5
+
+
+def _train_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _OMP_KEYS and k not in ("LLMSPLIT_THREADS", "LLMSPLIT_TUNE_THREADS")}
+    return {**env, **extra}
+
+
+def _step_time(env: dict, nproc: int, steps: int, run_dir: Path) -> float:
+    """Median step time (s) of one `llmsplit train` run of `steps` steps."""
+    cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
+           "--set", f"train.steps={steps}", "--set", "checkpoint.every=0"]
+    out = subprocess.run(cmd, env=_train_env(env), capture_output=True, text=True, timeout=1200,
+                         cwd=Path(__file__).parent.parent)
+    if out.returncode:
+        raise RuntimeError(f"train failed: {out.stderr[-2000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r][SKIP_STEPS:]
+    return statistics.median(times)
+
+
+def main(quick: bool = False, rounds: int = 3, steps: int = 40, only: tuple[int, ...] | None = None) -> dict:
+    """`only`: indices into SETTINGS to run (default all; the first is the ratios' baseline)."""
+    rounds, steps = (1, SKIP_STEPS + 3) if quick else (rounds, steps)
+    settings = SETTINGS[:1] if quick else [SETTINGS[i] for i in (only or range(len(SETTINGS)))]
+    times = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
+    loads = {"quiet": [], "loaded": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        source, _ = _source(Path(tmp), quick)
+        for r in range(rounds):
+            order = settings if r % 2 == 0 else settings[::-1]
+            for cond in ("quiet", "loaded"):
+                neighbour = _start_neighbour(source, 2 if quick else 8) if cond == "loaded" else None
+                try:
+                    for i, (name, env, nproc) in enumerate(order):
+                        run_dir = Path(tmp) / f"run-{r}-{cond}-{i}"
+                        times[name, cond].append(_step_time(env, nproc, steps, run_dir))
+                        loads[cond].append(os.getloadavg()[0])
+                        print(f"round {r + 1} {cond}: {name} {times[name, cond][-1] * 1e3:.0f} ms/step "
+                              f"(load {loads[cond][-1]:.1f})", file=sys.stderr)
+                finally:
+                    if neighbour is not None:
+                        neighbour.kill()
+                        neighbour.wait()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = settings[0][0]
+    # Speeds (1 / step time) relative to the default alone, and each setting's own slowdown.
+    return {"rounds": rounds, "steps": steps, "settings": [s[0] for s in settings],
+            "step_s": {f"{n}|{c}": v for (n, c), v in times.items()},
+            "median_step_s": {f"{n}|{c}": v for (n, c), v in med.items()},
+            "quiet_vs_default": {n: med[base, "quiet"] / med[n, "quiet"] for n, _, _ in settings},
+            "loaded_vs_quiet": {n: med[n, "quiet"] / med[n, "loaded"] for n, _, _ in settings},
+            "loaded_vs_default_quiet": {n: med[base, "quiet"] / med[n, "loaded"] for n, _, _ in settings},
+            "load_average": {c: statistics.median(v) for c, v in loads.items()}}
+
+
+def to_markdown(r: dict) -> list[str]:
+    rows = [f"`llmsplit train` on the built-in tiny model, {r['steps']} steps per run, median step time after "
+            f"the first {SKIP_STEPS}; median of {r['rounds']} alternating rounds, each setting a fresh run. Loaded: "
+            f"a 2-thread decode job (libgomp defaults) runs beside it. Speeds are 1 / step time. Median load "
+            f"average: quiet {r['load_average']['quiet']:.1f}, loaded {r['load_average']['loaded']:.1f}.", "",
+            "| setting | quiet ms/step | loaded ms/step | quiet speed vs default | loaded vs own quiet | "
+            "loaded vs default quiet |", "|---|---|---|---|---|---|"]
+    for n in r["settings"]:
+        rows.append(f"| {n} | {r['median_step_s'][f'{n}|quiet'] * 1e3:.0f} | "
+                    f"{r['median_step_s'][f'{n}|loaded'] * 1e3:.0f} | {r['quiet_vs_default'][n]:.2f}x | "
+                    f"{r['loaded_vs_quiet'][n]:.2f}x | {r['loaded_vs_default_quiet'][n]:.2f}x |")
+    return rows
