@@ -8,7 +8,7 @@ barrier, and 2-thread decode collapsed (issue 23). Each setting below runs in a 
 process (libgomp reads its variables once, at load), first on the quiet machine, then while
 a second 2-thread decode job (libgomp's defaults, 2 fixed threads, as an unaware neighbour
 would run) shares the cores; rounds alternate the order of the settings. The fixed rows set
-OMP_NUM_THREADS, which turns llmsplit's thread tuner off (`infer/thread_tuner.py`); the last
+OMP_NUM_THREADS, which turns llmsplit's thread tuner off (`llmsplit/threads.py`); the last
 row is llmsplit as it runs by default, the tuner choosing 2 threads or 1 as it decodes.
 """
 

@@ -6,7 +6,7 @@ PyTorch's CPU ops run on libgomp, whose threads spin at each barrier (GOMP_SPINC
 way to run (`python -m benchmarks threads`: SmolLM2-135M, 2 threads, 28.9 tokens/s). When
 another process wants the cores, a spinning thread burns the time slice its partner needs to
 reach the barrier: 2-thread decode fell to 4.6 tokens/s, and a 1-worker, 2-thread training
-step took 5.8x as long (`python -m benchmarks train_threads`). No fixed setting served both:
+step took 5.8-6.5x as long (`python -m benchmarks train_threads`). No fixed setting served both:
 OMP_WAIT_POLICY=PASSIVE kept decode at 20.6 tokens/s under contention but gave 0.66x on the
 quiet machine (training 0.77x), and one thread lost 14% there (training, 48%). So the thread
 count is measured instead: a few steps run with the other count, and the faster one is kept.
