@@ -61,12 +61,11 @@ def test_the_thread_tuner_keeps_the_faster_count_and_backs_off(monkeypatch):
     import torch
 
     from llmsplit import threads
-    from llmsplit import threads as thread_tuner
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     chosen = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
-    tuner = thread_tuner.ThreadTuner(threads=2)
+    tuner = threads.ThreadTuner(threads=2)
     assert tuner.enabled and tuner.current == 2
     speed = {2: 0.25, 1: 0.04}  # seconds a step: 2 spinning threads beside another job, 1 thread
 
@@ -82,14 +81,14 @@ def test_the_thread_tuner_keeps_the_faster_count_and_backs_off(monkeypatch):
     period = tuner._period
     run(2000)  # quiet: trials of one thread lose, and come ever more rarely
     assert tuner.current == 2 and tuner.switches == 2 and tuner._period > period
-    assert tuner._period == thread_tuner.MAX_PERIOD_S
+    assert tuner._period == threads.MAX_PERIOD_S
     tuner.record(0.5, shape=4)  # another batch size: not compared with the steps before
     assert tuner.current == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice: left alone
-    assert not thread_tuner.ThreadTuner(threads=2).enabled
-    assert not thread_tuner.ThreadTuner(threads=1).enabled
+    assert not threads.ThreadTuner(threads=2).enabled
+    assert not threads.ThreadTuner(threads=1).enabled
     monkeypatch.setenv(threads.CHOSEN_BY_LLMSPLIT, "1")  # set by llmsplit's launcher for its workers: theirs
-    assert thread_tuner.ThreadTuner(threads=2).enabled
+    assert threads.ThreadTuner(threads=2).enabled
     assert threads.oversubscription(cores=2, load=1.5) is None
     assert "load average 5.0 on 2 cores" in threads.oversubscription(cores=2, load=5.0)
 
