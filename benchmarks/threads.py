@@ -29,6 +29,8 @@ SETTINGS = [
     ("libgomp default (spin 300k), 2 threads", {"OMP_NUM_THREADS": "2"}, 2),
     ("OMP_WAIT_POLICY=PASSIVE, 2 threads", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}, 2),
     ("1 thread", {"OMP_NUM_THREADS": "1"}, 1),
+    ("OMP_PROC_BIND=close OMP_PLACES=cores (threads pinned), 2 threads",
+     {"OMP_NUM_THREADS": "2", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, 2),
     ("llmsplit default: 2 threads, tuned as it decodes", {}, 2),
 ]
 _OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES")
@@ -94,9 +96,10 @@ def _source(tmp: Path, quick: bool) -> tuple[str, str]:
     return str(_random_llama(tmp)), "random Llama, 4 layers, dim 256"
 
 
-def main(quick: bool = False) -> dict:
-    rounds, seconds, new = (1, 1.0, 8) if quick else (3, 14.0, 512)
-    settings = SETTINGS[-1:] if quick else SETTINGS
+def main(quick: bool = False, rounds: int = 3, only: tuple[int, ...] | None = None) -> dict:
+    """`only`: indices into SETTINGS to run (default all; the first is the ratios' baseline)."""
+    rounds, seconds, new = (1, 1.0, 8) if quick else (rounds, 14.0, 512)
+    settings = SETTINGS[-1:] if quick else [SETTINGS[i] for i in (only or range(len(SETTINGS)))]
     rates = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
     loads = {"quiet": [], "loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
