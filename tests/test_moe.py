@@ -3,6 +3,7 @@ per-expert reference, Mixtral and Qwen3-MoE folders against transformers, and Mo
 split into pipeline stages, fine-tuned data-parallel and exported back."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from llmsplit.models.moe import MoE
 from llmsplit.models.presets import preset_config
 
 
-def _reference(moe: MoE, x: torch.Tensor, renorm: bool) -> torch.Tensor:
+def _reference(moe: MoE, x: torch.Tensor, renorm: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Each token through its top-k experts one at a time, as the papers write it."""
     logits = moe.router(x).float()
     scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
-    w, idx = scores.topk(moe.k)
+    idx = (scores if bias is None else scores + bias).topk(moe.k).indices
+    w = scores.gather(1, idx)
     w = w / w.sum(-1, keepdim=True) if renorm else w
     out = moe.shared(x) if moe.shared is not None else torch.zeros_like(x)
     rows = []
@@ -49,6 +51,13 @@ def test_grouped_experts_equal_one_token_at_a_time(shared, renorm, score):
         torch.testing.assert_close(g, h, atol=1e-4, rtol=1e-4)
     counts = moe.tokens_per_expert
     assert counts.sum() == 14 * 2 and counts.shape == (4,)  # dropless: every token reached its 2 experts
+    # Loss-free balancing's bias chooses the experts (every token takes expert 3 here); the
+    # weights stay the scores.
+    biased = MoE(replace(cfg, router_bias=True))
+    biased.load_state_dict({**moe.state_dict(), "expert_bias": torch.tensor([0.0, 0.0, 0.0, 9.0])})
+    torch.testing.assert_close(biased(x), _reference(biased, x.reshape(-1, 32), renorm, biased.expert_bias).view_as(got),
+                               atol=1e-5, rtol=1e-5)
+    assert biased.tokens_per_expert[3] == 14
     logits = moe.router(x.reshape(-1, 32))
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     assert torch.isclose(moe.aux_loss, 4 * (counts / 28 * scores.mean(0)).sum())
@@ -196,7 +205,7 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     experts, as the planner predicts; checkpoints continue under another ep degree and ZeRO level
     (ep 2 -> 4, ep 1 -> 2 × pp 2)."""
     sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4",
-            "train.warmup_steps=1", "checkpoint.every=2"]
+            "train.warmup_steps=1", "checkpoint.every=2", "train.moe_bias_rate=0.01"]  # loss-free balancing on
     train(tmp_path / "one", *sets)
     train(tmp_path / "ep2", *sets, "parallel.ep=2", nproc=4)
     ck = {name: str(tmp_path / name / "checkpoints" / "step_2") for name in ("one", "ep2")}
@@ -219,3 +228,10 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     assert experts["one"][0] == 2 * 4 * 3 * 128 * 128 * 4  # 2 layers of 4 experts, fp32
     for ep in (2, 4):
         assert max(experts[f"ep{ep}"]) <= 1.05 * experts["one"][0] / ep, experts
+    # The bias moved by 0.01 a step towards balance, by the step's global counts; checkpointed
+    # (the resumed runs' losses depend on it) and loaded for inference.
+    counts = torch.tensor(rows["one"], dtype=torch.float32)  # [steps, layers, experts]
+    want = (0.01 * torch.sign(counts.mean(-1, keepdim=True) - counts)).sum(0)
+    m = llmsplit.load(tmp_path / "ep2_pp2")
+    got = torch.stack([m.runner.model.layers[str(i)].feed_forward.expert_bias for i in range(2)])
+    assert want.abs().sum() > 0 and torch.allclose(got, want)

@@ -168,6 +168,11 @@ BAD = [
     (["memory.offload=nvme", "memory.offload_dir=/no/such/folder"], 2, "is not an existing folder"),
     (["memory.activation_checkpoint=sometimes"], 2, "memory.activation_checkpoint='sometimes' is not one of"),
     (["memory.offload=cpu"], 2, "needs parallel.zero=2 or 3"),
+    (["parallel.ep=2"], 2, "parallel.ep=2 splits experts, and this model has none (model.n_experts=0)"),
+    (["model.preset=tiny-moe", "parallel.ep=3"], 3, "parallel.ep=3 does not divide model.n_experts=4"),
+    (["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], 2, "parallel.ep=2 does not combine with "
+                                                                        "parallel.zero=1"),
+    (["train.moe_bias_rate=0.001"], 1, "train.moe_bias_rate=0.001 balances mixture-of-experts layers"),
 ]
 
 

@@ -51,6 +51,7 @@ class TrainSection:
     eval_every: int = 0  # steps between evaluations on the held-out data (0 = never)
     compile: bool = False
     moe_aux_loss: float = 0.0  # times the MoE layers' load-balancing loss, added to the loss (Mixtral: 0.02)
+    moe_bias_rate: float = 0.0  # loss-free balancing's step on model.router_bias per step (DeepSeek-V3: 0.001)
     timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
     profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
     # Set by `--auto` on a GPU or with memory.limit_bytes: try micro-batches from the planner's
@@ -69,9 +70,7 @@ class ParallelSection:
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
-    # Expert parallel: the experts of every mixture-of-experts layer split over ep of the
-    # data-parallel ranks, tokens sent to their experts' rank by all-to-all (parallel/expert_parallel.py).
-    ep: int = 1
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep data-parallel ranks
 
 
 @dataclass
@@ -252,7 +251,8 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
                      ("train.warmup_steps", 0), ("train.weight_decay", 0), ("train.grad_clip", 0),
                      ("train.log_every", 1), ("train.seed", 0), ("data.seq_len", 2), ("checkpoint.every", 0),
                      ("checkpoint.keep", 1), ("train.profile_steps", 0), ("parallel.dp_replicate", 1),
-                     ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0)):
+                     ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0),
+                     ("train.moe_bias_rate", 0)):
         _at_least(cfg, key, low)
     if mem.limit_bytes is not None:
         _at_least(cfg, "memory.limit_bytes", 1)

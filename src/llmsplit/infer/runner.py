@@ -125,6 +125,10 @@ class Runner:
             # Disk offload writes safetensors files, which hold plain tensors: those units are widened.
             tensors = {key: self._read(source, f"{unit}.{key}", packed=unit not in offloaded)
                        for key, _ in module.named_parameters()}
+            for key, _ in module.named_buffers():  # a MoE router's expert_bias: fp32, never packed or split
+                owner, _, attr = key.rpartition(".")
+                module.get_submodule(owner)._buffers[attr] = read_weight(source, f"{unit}.{key}", None, "none").to(
+                    exec_device if unit in offloaded else dev, torch.float32)
             if unit in offloaded:
                 if self.offloader is None:
                     self.offloader = Offloader(exec_device, spec.offload_dir)

@@ -64,6 +64,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = DEFAUL
         raise ConfigError(f"output {str(out)!r} exists and is not an empty folder; choose a new folder")
     weights = RunWeights(source)
     cfg = weights.config
+    if cfg.router_bias:
+        raise ConfigError("this run trained with train.moe_bias_rate (a per-expert router bias), which Mixtral and "
+                          "Qwen3-MoE checkpoints have no tensor for; export a run trained with train.moe_bias_rate=0")
     parts: dict[str, list[torch.Tensor]] = {}
     for name in weights.names():
         if cfg.tie_embeddings and name == "output.weight":

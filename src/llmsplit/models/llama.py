@@ -72,6 +72,9 @@ class LlamaConfig:
     n_shared_experts: int = 0
     router_score: str = "softmax"  # | "sigmoid"
     router_renorm: bool = True
+    # A per-expert bias added to the scores for choosing the top k only (the weights stay the
+    # scores): DeepSeek-V3's loss-free balancing, which training adjusts (train.moe_bias_rate).
+    router_bias: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -279,6 +282,9 @@ class Transformer(nn.Module):
                 g = torch.Generator().manual_seed(_name_seed(seed, name))
                 full = torch.empty(p.shape).normal_(0.0, std, generator=g).clamp_(-3 * std, 3 * std)
             assign_full_tensor(p, full)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # built on the meta device like the weights: no values yet
+                self.get_submodule(name.rpartition(".")[0]).expert_bias = torch.zeros(buffer.shape, device=device)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ the place of `experts`, sends the sorted rows to the rank holding their expert a
 results back; the plain model leaves it None and holds every expert.
 
 Balancing: `aux_loss` (the Switch/Mixtral load-balancing loss) and `tokens_per_expert` of the last
-forward are kept on the module for a training loop to read.
+forward are kept on the module for a training loop to read; with `router_bias`, `expert_bias` is
+added to the scores for choosing experts, and the loop moves it towards balance between steps
+(DeepSeek-V3's auxiliary-loss-free balancing, train/moe_stats.py).
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ class MoE(nn.Module):
             self.shared = FeedForward(cfg, cfg.n_shared_experts * f)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        if cfg.router_bias:
+            # Persistent, so checkpoints keep it; a buffer, not a parameter: no gradient, no
+            # optimizer state. Zeroed by Transformer.init_weights after meta-device construction.
+            self.register_buffer("expert_bias", torch.zeros(e))
         self.dispatch = None  # set by parallel.ep; (moe, rows sorted by expert, counts) -> expert outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.reshape(-1, x.shape[-1])
         logits = self.router(t).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        chosen = scores.topk(self.k, dim=-1).indices  # [tokens, k]
+        bias = getattr(self, "expert_bias", None)
+        chosen = (scores if bias is None else scores + bias).topk(self.k, dim=-1).indices  # [tokens, k]
         weights = scores.gather(1, chosen)
         if self.renorm:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -24,7 +24,8 @@ MAX_LAYERS = 1024
 
 def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:
     """(name, shape) of every parameter of `Transformer(cfg)`, in its order, computed from the
-    sizes alone; a tied head is listed (as output.weight) although files may omit it."""
+    sizes alone; a tied head is listed (as output.weight) although files may omit it. A MoE
+    router's `expert_bias` (model.router_bias), a buffer, is listed too: checkpoints hold it."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     yield "tok_embeddings.weight", (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
@@ -53,6 +54,8 @@ def _mlp_shapes(cfg: LlamaConfig, prefix: str) -> Iterator[tuple[str, Shape]]:
         return
     e, f = cfg.n_experts, cfg.moe_ffn_dim
     yield f"{prefix}.router.weight", (e, cfg.dim)
+    if cfg.router_bias:
+        yield f"{prefix}.expert_bias", (e,)
     yield from ((f"{prefix}.{w}", (e, *shape)) for w, shape in (("w1", (f, cfg.dim)), ("w3", (f, cfg.dim)),
                                                                ("w2", (cfg.dim, f))))
     if cfg.n_shared_experts:

@@ -183,6 +183,11 @@ def check_job(job: TrainJob) -> None:
     the derived values (parallel.dp, the model's sizes) that the workers read."""
     from ..io.run_dir import checkpoint_dir, usable_checkpoint
 
+    if job.cfg.train.moe_bias_rate:
+        if not job.model_cfg.n_experts:
+            raise ConfigError(f"train.moe_bias_rate={job.cfg.train.moe_bias_rate} balances mixture-of-experts layers "
+                              f"and this model has none (model.n_experts=0); set train.moe_bias_rate=0")
+        job.model_cfg.router_bias = True  # the bias it moves; config.toml records it with the sizes
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
     record_model_sizes(job.cfg, job.model_cfg)
     if job.cfg.lora.init:

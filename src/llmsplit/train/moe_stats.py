@@ -19,14 +19,18 @@ from ..models.moe import MoE
 
 
 class ExpertStats:
-    def __init__(self, model: torch.nn.Module, n_layers: int, n_experts: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, n_layers: int, n_experts: int, device: torch.device,
+                 bias_rate: float = 0.0):
         self.counts = torch.zeros(n_layers, n_experts, dtype=torch.long, device=device)
         self.aux: list[torch.Tensor] = []
         self.aux_sum = torch.zeros((), device=device)  # the trainer's sum of this rank's weighted aux losses
         self.active = n_experts > 0
+        self.bias_rate = bias_rate
+        self.layers: dict[int, MoE] = {}  # this rank's MoE layers (a pipeline stage holds some)
         for name, module in model.named_modules():
             if isinstance(module, MoE):
                 layer = int(plain_name(name).split(".")[1])  # layers.<i>.feed_forward
+                self.layers[layer] = module
                 module.register_forward_hook(lambda m, args, out, i=layer: self._seen(m, i))
 
     def _seen(self, moe: MoE, layer: int) -> None:
@@ -34,6 +38,14 @@ class ExpertStats:
             return  # a recomputation inside the backward (activation checkpointing)
         self.counts[layer] += moe.tokens_per_expert.to(self.counts.device)
         self.aux.append(moe.aux_loss)
+
+    def _balance(self) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: after each step, raise the bias of every
+        expert that got fewer than the mean of the step's tokens (all ranks together, so every
+        replica moves alike) by train.moe_bias_rate, lower the others'."""
+        for layer, moe in self.layers.items():
+            load = self.counts[layer].float()
+            moe.expert_bias += self.bias_rate * torch.sign(load.mean() - load).to(moe.expert_bias.device)
 
     def take_aux(self) -> torch.Tensor | None:
         """The sum of the load-balancing losses of the layers run since the last call."""
@@ -50,6 +62,8 @@ class ExpertStats:
             return {}
         dist.all_reduce(self.counts)
         record = {"tokens_per_expert": self.counts.tolist()}
+        if self.bias_rate:
+            self._balance()
         if self.aux_sum.item():
             dist.all_reduce(self.aux_sum)
             record["moe_aux_loss"] = self.aux_sum.item() / dp

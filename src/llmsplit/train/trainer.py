@@ -137,7 +137,8 @@ class Trainer:
             self.pipeline_times = PipelineTimes(self.pm.schedule)
         self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every) if self.rank0 else None
         self.held = None  # this rank's parameter, gradient and optimizer bytes, taken at the last step
-        self.experts = ExpertStats(self.pm.model, self.model_cfg.n_layers, self.model_cfg.n_experts, device)
+        self.experts = ExpertStats(self.pm.model, self.model_cfg.n_layers, self.model_cfg.n_experts, device,
+                                   cfg.train.moe_bias_rate)
         # On the CPU, a thread count llmsplit chose drops to one while other processes want the
         # cores, where libgomp's spinning barriers would collapse the step (threads.py).
         self.threads = ThreadTuner(uniform=True)
