@@ -100,31 +100,49 @@ def main(quick: bool = False, rounds: int = 3, only: tuple[int, ...] | None = No
     """`only`: indices into SETTINGS to run (default all; the first is the ratios' baseline)."""
     rounds, seconds, new = (1, 1.0, 8) if quick else (rounds, 14.0, 512)
     settings = SETTINGS[-1:] if quick else [SETTINGS[i] for i in (only or range(len(SETTINGS)))]
-    rates = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
-    loads = {"quiet": [], "loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
         source, label = _source(Path(tmp), quick)
-        for r in range(rounds):
-            order = settings if r % 2 == 0 else settings[::-1]
-            for cond in ("quiet", "loaded"):
-                neighbour = _start_neighbour(source, 2 if quick else 8) if cond == "loaded" else None
-                try:
-                    for name, env, threads in order:
-                        rates[name, cond].append(_measure(source, env, threads, seconds, new))
-                        loads[cond].append(os.getloadavg()[0])
-                        print(f"round {r + 1} {cond}: {name} {rates[name, cond][-1]:.2f} tokens/s "
-                              f"(load {loads[cond][-1]:.1f})", file=sys.stderr)
-                finally:
-                    if neighbour is not None:
-                        neighbour.kill()
-                        neighbour.wait()
-    med = {k: statistics.median(v) for k, v in rates.items()}
+        rates, loads = quiet_and_loaded(settings, rounds, source, 2 if quick else 8, "tokens/s",
+                                        lambda setting, _: _measure(source, setting[1], setting[2], seconds, new))
+    return {"model": label, "rounds": rounds, "seconds": seconds, "new": new,
+            **summary(settings, rates, loads, speed=lambda rate: rate)}
+
+
+def quiet_and_loaded(settings: list, rounds: int, source: str, settle_s: float, unit: str, measure) -> tuple:
+    """Every setting measured alone, then beside the neighbour (`_start_neighbour`), the order
+    of the settings alternating round by round; `measure(setting, tag)` gives one figure
+    (`tag` names the round, condition and place). Returns ({(name, condition): figures},
+    {condition: load averages})."""
+    figures = {(name, cond): [] for name, *_ in settings for cond in ("quiet", "loaded")}
+    loads = {"quiet": [], "loaded": []}
+    for r in range(rounds):
+        order = settings if r % 2 == 0 else settings[::-1]
+        for cond in ("quiet", "loaded"):
+            neighbour = _start_neighbour(source, settle_s) if cond == "loaded" else None
+            try:
+                for i, setting in enumerate(order):
+                    figures[setting[0], cond].append(measure(setting, f"{r}-{cond}-{i}"))
+                    loads[cond].append(os.getloadavg()[0])
+                    print(f"round {r + 1} {cond}: {setting[0]} {figures[setting[0], cond][-1]:.3g} {unit} "
+                          f"(load {loads[cond][-1]:.1f})", file=sys.stderr)
+            finally:
+                if neighbour is not None:
+                    neighbour.kill()
+                    neighbour.wait()
+    return figures, loads
+
+
+def summary(settings: list, figures: dict, loads: dict, speed) -> dict:
+    """Medians and the ratios of the report: `speed(figure)` turns a median into a speed
+    (tokens/s as they are; a step time into its inverse). The first setting is the baseline."""
+    med = {k: statistics.median(v) for k, v in figures.items()}
+    fast = {k: speed(v) for k, v in med.items()}
     base = settings[0][0]
-    return {"model": label, "rounds": rounds, "seconds": seconds, "new": new, "settings": [s[0] for s in settings],
-            "rates": {f"{n}|{c}": v for (n, c), v in rates.items()}, "median": {f"{n}|{c}": v for (n, c), v in med.items()},
-            "quiet_vs_default": {n: med[n, "quiet"] / med[base, "quiet"] for n, _, _ in settings},
-            "loaded_vs_quiet": {n: med[n, "loaded"] / med[n, "quiet"] for n, _, _ in settings},
-            "loaded_vs_default_quiet": {n: med[n, "loaded"] / med[base, "quiet"] for n, _, _ in settings},
+    return {"settings": [s[0] for s in settings], "figures": {f"{n}|{c}": v for (n, c), v in figures.items()},
+            "median": {f"{n}|{c}": v for (n, c), v in med.items()},
+            "quiet_vs_default": {n: fast[n, "quiet"] / fast[base, "quiet"] for n, *_ in settings},
+            "loaded_vs_quiet": {n: fast[n, "loaded"] / fast[n, "quiet"] for n, *_ in settings},
+            "loaded_vs_default_quiet": {n: fast[n, "loaded"] / fast[base, "quiet"] for n, *_ in settings},
             "load_average": {c: statistics.median(v) for c, v in loads.items()}}
 
 

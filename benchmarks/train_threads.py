@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .threads import _OMP_KEYS, _source, _start_neighbour
+from .threads import _OMP_KEYS, _source, quiet_and_loaded, summary
 
 TITLE = "Training under CPU contention: workers, threads and OpenMP wait policy (tiny model)"
 # (name, environment, --nproc). The first is llmsplit's default on a 2-core CPU (a worker per
@@ -58,35 +58,12 @@ def main(quick: bool = False, rounds: int = 3, steps: int = 40, only: tuple[int,
     """`only`: indices into SETTINGS to run (default all; the first is the ratios' baseline)."""
     rounds, steps = (1, SKIP_STEPS + 3) if quick else (rounds, steps)
     settings = SETTINGS[:1] if quick else [SETTINGS[i] for i in (only or range(len(SETTINGS)))]
-    times = {(name, cond): [] for name, _, _ in settings for cond in ("quiet", "loaded")}
-    loads = {"quiet": [], "loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
         source, _ = _source(Path(tmp), quick)
-        for r in range(rounds):
-            order = settings if r % 2 == 0 else settings[::-1]
-            for cond in ("quiet", "loaded"):
-                neighbour = _start_neighbour(source, 2 if quick else 8) if cond == "loaded" else None
-                try:
-                    for i, (name, env, nproc) in enumerate(order):
-                        run_dir = Path(tmp) / f"run-{r}-{cond}-{i}"
-                        times[name, cond].append(_step_time(env, nproc, steps, run_dir))
-                        loads[cond].append(os.getloadavg()[0])
-                        print(f"round {r + 1} {cond}: {name} {times[name, cond][-1] * 1e3:.0f} ms/step "
-                              f"(load {loads[cond][-1]:.1f})", file=sys.stderr)
-                finally:
-                    if neighbour is not None:
-                        neighbour.kill()
-                        neighbour.wait()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    base = settings[0][0]
-    # Speeds (1 / step time) relative to the default alone, and each setting's own slowdown.
-    return {"rounds": rounds, "steps": steps, "settings": [s[0] for s in settings],
-            "step_s": {f"{n}|{c}": v for (n, c), v in times.items()},
-            "median_step_s": {f"{n}|{c}": v for (n, c), v in med.items()},
-            "quiet_vs_default": {n: med[base, "quiet"] / med[n, "quiet"] for n, _, _ in settings},
-            "loaded_vs_quiet": {n: med[n, "quiet"] / med[n, "loaded"] for n, _, _ in settings},
-            "loaded_vs_default_quiet": {n: med[base, "quiet"] / med[n, "loaded"] for n, _, _ in settings},
-            "load_average": {c: statistics.median(v) for c, v in loads.items()}}
+        times, loads = quiet_and_loaded(
+            settings, rounds, source, 2 if quick else 8, "s/step",
+            lambda setting, tag: _step_time(setting[1], setting[2], steps, Path(tmp) / f"run-{tag}"))
+    return {"rounds": rounds, "steps": steps, **summary(settings, times, loads, speed=lambda step_s: 1 / step_s)}
 
 
 def to_markdown(r: dict) -> list[str]:
@@ -97,7 +74,7 @@ def to_markdown(r: dict) -> list[str]:
             "| setting | quiet ms/step | loaded ms/step | quiet speed vs default | loaded vs own quiet | "
             "loaded vs default quiet |", "|---|---|---|---|---|---|"]
     for n in r["settings"]:
-        rows.append(f"| {n} | {r['median_step_s'][f'{n}|quiet'] * 1e3:.0f} | "
-                    f"{r['median_step_s'][f'{n}|loaded'] * 1e3:.0f} | {r['quiet_vs_default'][n]:.2f}x | "
+        rows.append(f"| {n} | {r['median'][f'{n}|quiet'] * 1e3:.0f} | "
+                    f"{r['median'][f'{n}|loaded'] * 1e3:.0f} | {r['quiet_vs_default'][n]:.2f}x | "
                     f"{r['loaded_vs_quiet'][n]:.2f}x | {r['loaded_vs_default_quiet'][n]:.2f}x |")
     return rows
