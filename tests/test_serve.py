@@ -222,8 +222,10 @@ def chat_body(content="Hi", **fields):
         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_tokens", 5), ("repetition_penalty", 1.2)]],
     *[(f"unsupported chat {field}", dict(json=chat_body(**{field: value}), path=CHAT, param=field), 400)
       for field, value in [
-        ("logprobs", True), ("top_logprobs", 2), ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto")]],
+        ("logprobs", True), ("top_logprobs", 2), ("functions", [{"name": "f"}])]],
+    ("unknown response_format", dict(json=chat_body(response_format={"type": "yaml"}), path=CHAT,
+                                     param="response_format.type"), 400),
+    ("tool_choice without tools", dict(json=chat_body(tool_choice="required"), path=CHAT, param="tool_choice"), 400),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, name, kwargs, status):
     path, param = kwargs.pop("path", "/v1/completions"), kwargs.pop("param", None)
@@ -366,6 +368,65 @@ def test_full_queue_gets_429_and_sigterm_drains(folder, tmp_path):
         spin.join(10)
         assert spun["r"].status_code == 400 and spun["r"].json()["error"]["code"] == "request_timeout"
         assert "stopped after answering" in log.read_text()
+
+
+# Bounded values only: a random model held to a grammar would otherwise write a string forever.
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                            "city": {"type": "string", "maxLength": 6}},
+           "required": ["unit", "days", "city"], "additionalProperties": False}
+
+
+def follows_weather(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"unit", "days", "city"} and value["unit"] in (
+        "celsius", "fahrenheit") and type(value["days"]) is int and 1 <= value["days"] <= 7
+        and isinstance(value["city"], str) and len(value["city"]) <= 6)
+
+
+def test_response_format_holds_the_answer_to_its_schema(server):
+    pytest.importorskip("xgrammar")
+    c = client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    for seed in range(3):  # sampled, not greedy: each seed walks another path through the grammar
+        got = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Weather?"}],
+                                        response_format=fmt, temperature=1.0, seed=seed, max_tokens=60)
+        assert got.choices[0].finish_reason == "stop" and follows_weather(json.loads(got.choices[0].message.content))
+    plain = c.completions.create(model="llama", prompt=PROMPT, max_tokens=60, temperature=0,
+                                 extra_body={"response_format": fmt})  # vLLM's extension of completions
+    assert follows_weather(json.loads(plain.choices[0].text))
+    obj = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "JSON"}], max_tokens=12,
+                                    temperature=0, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")  # an object from its first token on
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                  response_format={"type": "json_schema", "json_schema": {
+                                      "name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+def test_tool_calls_come_back_in_openais_shape(server):
+    pytest.importorskip("xgrammar")
+    c = client(server)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                               "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = c.chat.completions.create(model="llama", messages=messages, tools=tools, max_tokens=80, temperature=0,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert follows_weather(json.loads(call.function.arguments))
+    stream = c.chat.completions.create(model="llama", messages=messages, tools=tools, max_tokens=80, temperature=1,
+                                       seed=3, tool_choice="required", stream=True)
+    deltas = [ch for chunk in stream for ch in chunk.choices]
+    (streamed,) = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls" and streamed[0].function.name in ("get_weather", "get_time")
+    json.loads(streamed[0].function.arguments)
+    # This test model's template does not render tools: the model could not see them.
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        c.chat.completions.create(model="llama", messages=messages, tools=tools, max_tokens=4)
 
 
 def test_sigterm_aborts_what_outlasts_the_drain_timeout(folder, tmp_path):

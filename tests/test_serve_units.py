@@ -85,7 +85,7 @@ def test_scheduler_bounds_the_queue_and_answers_each_request_once(model):
     ids = model.tokenizer.encode("x = 1")
 
     def submit(n):
-        sink = lambda ev: (lock.acquire(), events.append((ev[2].id if ev[0] == "finish" else None, ev[0])),  # noqa: E731
+        sink = lambda ev: (lock.acquire(), events.append((ev[2].id if ev[0] == "finish" else None, ev[0])),
                            lock.release())
         req = sched.submit([ids], SamplingParams(n, ignore_eos=True), sink)
         return req, req.seqs[0]
@@ -392,3 +392,28 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
         assert seq.tokens == whole.engine.generate([whole.engine.new_sequence(prompt, SamplingParams(
             n, ignore_eos=True))])[0].tokens
     assert e.pool.free_blocks == e.pool.num_blocks
+
+
+def test_tool_calls_written_in_the_text_become_openais_tool_calls():
+    """tool_choice "auto": calls the model writes as its template asks (<tool_call> JSON) come
+    back as OpenAI's tool_calls, the text around them as the content; a template that
+    renders tools is given them."""
+    from types import SimpleNamespace
+
+    from llmsplit.infer.chat import render_chat
+    from llmsplit.infer.replies import Reply
+
+    def reply(text):
+        seq = SimpleNamespace(text=text, finish_reason="stop", prompt=[1], tokens=[2])
+        return Reply("m", True, [seq], tools="auto").message(seq)
+
+    message, finish = reply('Checking. <tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
+    assert finish == "tool_calls" and message["content"] == "Checking."
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert reply("<tool_call>{oops}</tool_call>") == ({"role": "assistant", "content": "<tool_call>{oops}</tool_call>"},
+                                                     "stop")
+    tok = ByteTokenizer()
+    tok.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    assert render_chat([{"role": "user", "content": "hi"}], tok, tools=tools) == "get_time;hi"

@@ -16,8 +16,8 @@ __all__ = ["DEFAULT_STOP", "DEFAULT_TEMPLATE", "TemplateError", "chat_prompt", "
 DEFAULT_STOP = ["\nUser:"]
 
 
-def chat_prompt(messages: list[dict], tokenizer) -> tuple[list[int], list[str]]:
+def chat_prompt(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[str]]:
     """Token ids of the conversation followed by the assistant's turn, and the stop strings
-    the template implies."""
-    text = render_chat(messages, tokenizer)
+    the template implies; `tools` (OpenAI's tool objects) go to templates that render them."""
+    text = render_chat(messages, tokenizer, tools=tools)
     return tokenizer.encode(text), ([] if tokenizer.chat_template else list(DEFAULT_STOP))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError
+from .grammar import Grammar, mask_logits
 from .kv_cache import BlockPool, PackedStep
 
 
@@ -36,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # structured output: what the text must follow (grammar.py)
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -65,6 +67,7 @@ class Sequence:
     preemptions: int = 0  # times its blocks were taken back (it was then recomputed)
     filling: list[int] | None = None  # the context its cache is being filled with (None: filled)
     filled: int = 0  # tokens of `filling` in the cache so far
+    matcher: object = None  # where its grammar stands (structured output), else None
 
     @property
     def length(self) -> int:
@@ -75,6 +78,9 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """The next token of every sequence from its row of logits [b, vocab]: the greedy rows
     from one max over the whole batch (one op, not one per sequence), the others drawn each
     with its own generator (so a seeded request repeats whatever it is batched with)."""
+    constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+    if constrained:
+        mask_logits(logits, constrained, [seqs[row].matcher for row in constrained])
     greedy = logits.max(-1).indices.tolist()  # max's index is argmax's (the first of equal values)
     return [greedy[row] if seq.params.temperature <= 0 else sample(logits[row], seq.params, seq.generator)
             for row, seq in enumerate(seqs)]
@@ -159,7 +165,8 @@ class Engine:
         gen = torch.Generator()
         gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         self._next_id += 1
-        return Sequence(self._next_id, list(prompt), params, gen, detok=self.tokenizer.stream())
+        return Sequence(self._next_id, list(prompt), params, gen, detok=self.tokenizer.stream(),
+                        matcher=params.grammar.matcher() if params.grammar is not None else None)
 
     def check(self, seq: Sequence) -> None:
         """Refuse a sequence whose worst case could never fit in the pool (it would wait forever)."""
@@ -300,6 +307,8 @@ class Engine:
         if self.on_latency is not None:
             self.on_latency(seq.first_token, now - seq.last_token_at)
         seq.first_token, seq.last_token_at = False, now
+        if seq.matcher is not None:
+            seq.matcher.accept_token(nxt)  # the token came from its mask, so the grammar takes it
         if nxt in self.eos_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
             seq.text = self.tokenizer.decode(seq.tokens)  # with what the decoder still held back

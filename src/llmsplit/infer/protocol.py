@@ -32,8 +32,7 @@ class APIError(Exception):
 UNSUPPORTED: dict[str, Any] = {
     "n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
     "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "min_tokens": 0,
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-    "response_format": {"type": "text"},
+    "functions": [], "function_call": "none",  # the deprecated names of tools / tool_choice
     "repetition_penalty": 1, "min_p": 0,  # vLLM's extensions, next to its top_k and ignore_eos
 }
 HINTS = {"n": "; send n separate requests"}
@@ -43,6 +42,47 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    json_schema: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`json_object`: any JSON object; `json_schema`: JSON valid against its schema (both
+    enforced while sampling, infer/grammar.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def schema_or_none(self) -> dict | None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs its json_schema", "response_format")
+        return self.json_schema.json_schema if self.type == "json_schema" else None
+
+
+class Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(BaseModel):
@@ -58,6 +98,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
@@ -102,6 +143,24 @@ class Message(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def tool_mode(self) -> tuple[str | None, str | None]:
+        """("forced", function name or None for any) when a call is required, ("auto", None)
+        when the model may call, (None, None) without tools; a 400 for a choice that names
+        no offered function."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return None, None
+        if not self.tools:
+            raise APIError(400, "tool_choice asks for a tool call but no tools were given", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                               "tool_choice")
+            return "forced", choice.function.name
+        return ("forced", None) if choice == "required" else ("auto", None)
 
 
 def check_fits(prompt_lengths: list[int], max_tokens: int, max_context: int, most_sequences: int,

@@ -50,6 +50,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_context = engine.max_context  # limits a request is checked against before it is sent
         self.max_sequences = engine.max_batch + max_queue
+        self.eos_ids = set(engine.eos_ids)  # the tokens that end a sequence (a grammar's stop tokens)
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []

@@ -22,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -36,8 +35,10 @@ from ..config import ConfigError
 from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
 from .edge import Gate, TimedH11Protocol
 from .engine import SamplingParams
+from .grammar import Grammars
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
+from .replies import Reply, forced_call_schema
 from .scheduler import QueueFull, Request as Work, Scheduler
 from .time_limit import OffLoop, TimeLimitExceeded
 
@@ -78,6 +79,7 @@ class Server:
         self.prometheus = ServeMetrics(self)
         # The engine from here on is the scheduler's: submit, abort and stats are all the server uses.
         self.scheduler = Scheduler(model.engine, max_queue, on_latency=self.prometheus.observe)
+        self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self.scheduler.eos_ids)
         self.created = int(time.time())
         self.app = self._app(api_key, max_body, request_timeout)
 
@@ -135,19 +137,32 @@ class Server:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         max_tokens = body.max_tokens or 16  # OpenAI's default
         check_fits([len(p) for p in ids], max_tokens, self.scheduler.max_context, self._most_sequences(), "prompt")
-        return await self._answer(request, ids, self._params(body, max_tokens, body.stops()), body, chat=False)
+        params = self._params(body, max_tokens, body.stops())
+        params.grammar = await self._grammar(body.response_format)
+        return await self._answer(request, ids, params, body, chat=False)
 
     async def chat(self, body: ChatRequest, request: Request):
         body.refuse_unsupported()
         self._check_model(body.model)
+        tools, forced = body.tool_mode()
+        functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+        if tools == "auto" and "tools" not in (self.tokenizer.chat_template or ""):
+            raise APIError(400, "this model's chat template does not render tools, so the model would not see "
+                                "them; pass tool_choice \"required\" or a named function (the call is then held to "
+                                "the function's schema while sampling)", "tools")
         ids, template_stops = await self._off_loop("messages", "rendering the chat template", chat_prompt,
                                                    [m.as_template_input() for m in body.messages],
-                                                   self.tokenizer)
+                                                   self.tokenizer, [t.model_dump(exclude_none=True) for t in
+                                                                    body.tools] if tools else None)
         room = max(1, self.scheduler.max_context - len(ids))  # no limit given: up to the end of the context
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         check_fits([len(ids)], max_tokens, self.scheduler.max_context, self._most_sequences(), "messages")
         params = self._params(body, max_tokens, body.stops() + template_stops)
-        return await self._answer(request, [ids], params, body, chat=True)
+        if tools == "forced":
+            params.grammar = await self._grammar(None, forced_call_schema(functions, forced))
+        else:
+            params.grammar = await self._grammar(body.response_format)
+        return await self._answer(request, [ids], params, body, chat=True, tools=tools)
 
     # ------------------------------------------------------------ helpers
 
@@ -178,11 +193,22 @@ class Server:
         params.check()
         return params
 
-    async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool):
+    async def _grammar(self, response_format, schema: dict | None = None):
+        """The grammar a response is held to: a forced tool call's `schema`, else the response
+        format's (None: free text). Compiled in a worker thread, under the request time limit."""
+        if schema is None and (response_format is None or response_format.type == "text"):
+            return None
+        schema = schema if schema is not None else response_format.schema_or_none()
+        return await self._off_loop("response_format", "compiling the response format into a grammar",
+                                    self.grammars.json, schema)
+
+    async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool,
+                      tools: str | None = None):
         channel = _Channel(asyncio.get_running_loop())
-        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream)
+        # With tools a streamed answer's text is held back until it ends: a call is parsed whole.
+        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools)
         seqs = work.seqs
-        reply = _Reply(self.name, chat, seqs)
+        reply = Reply(self.name, chat, seqs, tools)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(work, channel, reply, usage), media_type="text/event-stream",
@@ -207,7 +233,7 @@ class Server:
                 self.scheduler.abort(work)
         return reply.whole()
 
-    async def _stream(self, work: Work, channel: _Channel, reply: "_Reply", include_usage: bool):
+    async def _stream(self, work: Work, channel: _Channel, reply: Reply, include_usage: bool):
         pending = len(work.seqs)
         try:
             if reply.chat:
@@ -218,7 +244,7 @@ class Server:
                     yield _sse(reply.chunk(event[1], text=event[2]))
                 elif event[0] == "finish":
                     pending -= 1
-                    yield _sse(reply.chunk(event[1], finish=event[2].finish_reason))
+                    yield _sse(reply.last_chunk(event[1], event[2]))
                 else:
                     pending = 0
                     yield _sse(APIError(503, event[1], type="server_error").body())
@@ -229,44 +255,6 @@ class Server:
         finally:
             if pending:  # the client went away mid-stream (this generator was cancelled)
                 self.scheduler.abort(work)
-
-
-class _Reply:
-    """OpenAI's response and stream-chunk objects for one request."""
-
-    def __init__(self, model: str, chat: bool, seqs):
-        self.model, self.chat, self.seqs = model, chat, seqs
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _head(self, chunk: bool) -> dict:
-        kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def usage(self) -> dict:
-        prompt = sum(len(s.prompt) for s in self.seqs)
-        completion = sum(len(s.tokens) for s in self.seqs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def whole(self) -> dict:
-        if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
-                        "logprobs": None, "finish_reason": s.finish_reason} for i, s in enumerate(self.seqs)]
-        else:
-            choices = [{"index": i, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason}
-                       for i, s in enumerate(self.seqs)]
-        return {**self._head(False), "choices": choices, "usage": self.usage()}
-
-    def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head(True), "choices": [choice]}
-
-    def usage_chunk(self) -> dict:
-        return {**self._head(True), "choices": [], "usage": self.usage()}
 
 
 async def _disconnected(receive) -> None:

@@ -88,16 +88,18 @@ def compile_template(source: str):
                           f"tokenizer files") from None
 
 
-def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = True, spans: bool = False):
+def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = True, spans: bool = False,
+                tools: list[dict] | None = None):
     """The conversation as the model's template writes it; with `add_generation_prompt`,
     ending where the assistant's turn begins (what `generate --chat --show-prompt` prints).
     With `spans`, (text, [(start, end) of each non-empty span a generation marker wrote], or
     None when the template has no markers)."""
     source = tokenizer.chat_template or DEFAULT_TEMPLATE
     try:
+        extra = {"tools": tools} if tools else {}  # templates test `tools is defined` as often as `if tools`
         text = compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                bos_token=tokenizer.token_text(tokenizer.bos_id),
-                                               eos_token=tokenizer.token_text(tokenizer.eos_id))
+                                               eos_token=tokenizer.token_text(tokenizer.eos_id), **extra)
     except TemplateError:
         raise
     except Exception as e:  # a template may fail on any message shape it does not expect

@@ -107,6 +107,11 @@ class HFTokenizer:
     def stream(self) -> "HFStream":
         return HFStream(self._tok)
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (what a grammar library reads the vocabulary from)."""
+        return self._tok
+
 
 class HFStream:
     """Incremental decoding with `tokenizers`' own DecodeStream: each step costs one token,
