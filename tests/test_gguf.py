@@ -155,3 +155,53 @@ def test_unsupported_gguf_is_named(tmp_path, folder):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(ConfigError, match="not a readable GGUF"):
         GGUFWeights(tmp_path / "junk.gguf")
+
+
+@pytest.mark.slow
+def test_qlora_fine_tunes_on_top_of_a_gguf_file(folder, tmp_path):
+    """model.gguf: a Q8_0 file is the base (its blocks dequantized as read, its tokenizer and
+    sizes from its metadata), here under lora.base=nf4 on 2 workers with ZeRO-3. It logs the
+    losses of one process on a Hugging Face folder holding the file's weights, and
+    `llmsplit.load(RUN)` merges the adapters onto the file's weights (its PEFT export applied to
+    them in transformers gives the same logits)."""
+    from helpers import assert_close_losses, losses, train
+    from safetensors.torch import save_file
+    from test_qlora import QL, _dequantized_copy
+
+    from llmsplit.io.gguf import unpermute_from_gguf
+    from llmsplit.models.hf_names import to_hf_name
+
+    path = tmp_path / "model.gguf"
+    expected = write_gguf(folder, path, gguf.GGMLQuantizationType.Q8_0)  # q and k in GGUF's row order
+    cfg = HFWeights(folder).config
+    for name, heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
+        for i in range(cfg.n_layers):
+            key = f"layers.{i}.attention.{name}.weight"
+            expected[key] = unpermute_from_gguf(expected[key], heads)
+    same = tmp_path / "same"
+    same.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (same / f).write_bytes((folder / f).read_bytes())
+    save_file({to_hf_name(k): v.contiguous() for k, v in expected.items()}, same / "model.safetensors",
+              metadata={"format": "pt"})
+    reference = _dequantized_copy(same, tmp_path / "nf4", "nf4")
+    train(tmp_path / "ref", f"model.hf={reference}", *QL, nproc=1)
+    train(tmp_path / "run", f"model.gguf={path}", "lora.base=nf4", "parallel.zero=3", *QL, nproc=2)
+    assert_close_losses(losses(tmp_path / "run"), losses(tmp_path / "ref"))
+    # The run's PEFT export applied to the file's weights (in `same`) the way PEFT merges it.
+    from safetensors.torch import load_file
+
+    from helpers import run_cli
+
+    run_cli("export", "--checkpoint", str(tmp_path / "run"), "--to", "peft", str(tmp_path / "adapter"))
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    model = hf_model(same)
+    with torch.no_grad():
+        for key, a in adapter.items():
+            if ".lora_A." in key:
+                module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
+                module.weight += 8 / 4 * adapter[key.replace("lora_A", "lora_B")] @ a
+    ids = torch.randint(0, 300, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(ids),
+                                   model(ids).logits, rtol=1e-4, atol=1e-4)

@@ -99,6 +99,20 @@ def _dequantized_copy(folder, out, base):
     return out
 
 
+def _assert_events_hold_the_metrics(run):
+    """train.tensorboard: the event files carry each numeric key of metrics.jsonl at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= keys == set(events.Tags()["scalars"])
+    for key in keys:
+        got = {e.step: e.value for e in events.Scalars(key)}
+        assert got == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6)
+
+
 QL = ["lora.rank=4", "lora.alpha=8", "train.lr=3e-2", "data.seq_len=32", "train.global_batch=4",
       "train.micro_batch=2", "train.steps=3", "train.warmup_steps=0"]
 
@@ -112,8 +126,9 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
 
     base = make_hf_folder(tmp_path / "base")
     reference = _dequantized_copy(base, tmp_path / "dequantized", "nf4")
-    train(tmp_path / "ref", f"model.hf={reference}", *QL, nproc=1)
+    train(tmp_path / "ref", f"model.hf={reference}", *QL, "train.tensorboard=true", nproc=1)
     want = losses(tmp_path / "ref")
+    _assert_events_hold_the_metrics(tmp_path / "ref")
     assert want[-1] < want[0] - 0.05  # it learns: a tolerance below could not pass a run that does not
     train(tmp_path / "z3", f"model.hf={base}", "lora.base=nf4", "parallel.zero=3", *QL, nproc=2)
     assert_close_losses(losses(tmp_path / "z3"), want)

@@ -54,6 +54,7 @@ class TrainSection:
     moe_bias_rate: float = 0.0  # loss-free balancing's step on model.router_bias per step (DeepSeek-V3: 0.001)
     timeout_s: float = 600.0  # how long a collective (or a node joining the job) may wait for the others
     profile_steps: int = 0  # `--profile N`: torch.profiler traces of N steps under RUN_DIR/profile/
+    tensorboard: bool = False  # also write metrics.jsonl's records as TensorBoard events under RUN_DIR/tensorboard/
     # Set by `--auto` on a GPU or with memory.limit_bytes: try micro-batches from the planner's
     # before step 1 and train with the largest that fits (train/batch_trial.py).
     confirm_micro_batch: bool = False
@@ -112,9 +113,7 @@ CHOICES = {"train.lr_schedule": ("cosine", "linear", "constant"), "train.precisi
 
 # Keys whose features later releases deliver; refusing them here is more honest than
 # silently training something else.
-NOT_YET = {
-    "model.gguf": (None, "loading GGUF files is not available in this version; remove model.gguf"),
-}
+NOT_YET: dict = {}
 
 
 # ---------------------------------------------------------------- loading and overrides

@@ -228,6 +228,17 @@ class GGUFWeights:
             w = w.chunk(parts, dim)[index].contiguous()
         return w
 
+    def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The block of `name` at `offsets` of shape `sizes` (a DTensor shard, as HFWeights
+        reads it); GGUF blocks are dequantized whole, then cut."""
+        return _region(self.read(name), offsets, sizes)
+
+
+def _region(w: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for dim, (start, size) in enumerate(zip(offsets, sizes)):
+        w = w.narrow(dim, start, size)
+    return w.contiguous()
+
 
 def gguf_tokenizer(value, path: Path):
     """A `tokenizers` tokenizer from GGUF metadata: byte-level BPE ("gpt2", with merges) or

@@ -38,9 +38,9 @@ def export_peft(source: str | Path, out: str | Path) -> dict:
     if not cfg.lora.rank:
         raise ConfigError(f"--to peft: run {str(run_dir)!r} trained every parameter, not LoRA adapters; "
                           f"export it with --to hf")
-    if not cfg.model.hf:
-        raise ConfigError(f"--to peft: run {str(run_dir)!r} adapted random weights (no model.hf), which no Hugging "
-                          f"Face model holds; export it merged with --to hf")
+    if not (cfg.model.hf or cfg.model.gguf):
+        raise ConfigError(f"--to peft: run {str(run_dir)!r} adapted random weights (no model.hf or model.gguf), "
+                          f"which no Hugging Face model holds; export it merged with --to hf")
     tok = run_tokenizer(run_dir, cfg)[0]  # the run's own copy of its tokenizer files
     model_cfg = model_config(cfg, tok.vocab_size)
     if model_cfg.family in FUSED:
@@ -54,7 +54,7 @@ def export_peft(source: str | Path, out: str | Path) -> dict:
         modules.add(to_hf_name(f"{layer}.weight", model_cfg).split(".")[-2])
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": cfg.model.hf,
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": cfg.model.hf or cfg.model.gguf,
               "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
               "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,

@@ -19,6 +19,7 @@ from ..config import Config, ConfigError, load_config
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # train.tensorboard: the event files
 SUMMARY_FILE = "summary.json"
 STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint
@@ -182,20 +183,22 @@ def absolute_paths(cfg: Config) -> None:
 def write_run_config(run_dir: Path, cfg: Config) -> None:
     """config.toml, and the run's copy of its tokenizer files with the model's eos ids."""
     from ..config import to_toml
-    from .tokenizer import ByteTokenizer, copy_tokenizer_files, load_tokenizer
+    from .tokenizer import ByteTokenizer, copy_tokenizer_files, load_tokenizer, save_tokenizer_files
 
     (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
     tok = load_tokenizer(cfg.data.tokenizer)
     if isinstance(tok, ByteTokenizer):
         return  # nothing to copy: the byte tokenizer is built in
     dest = run_dir / TOKENIZER_DIR
-    if Path(tok.name).resolve() != (dest / "tokenizer.json").resolve():  # not already the copy
+    if tok.name.endswith(".gguf"):  # built from the file's metadata: saved, not copied
+        save_tokenizer_files(tok, dest)
+    elif Path(tok.name).resolve() != (dest / "tokenizer.json").resolve():  # not already the copy
         copy_tokenizer_files(tok.name, dest)
     eos = {tok.eos_id} - {None}
-    if cfg.model.hf:
-        from .hf import HFWeights
+    if cfg.model.hf or cfg.model.gguf:
+        from .weights import pretrained_weights
 
-        eos |= HFWeights(cfg.model.hf).eos_ids
+        eos |= pretrained_weights(cfg).eos_ids
     (dest / GENERATION_FILE).write_text(json.dumps({"bos_token_id": tok.bos_id, "eos_token_id": sorted(eos)}))
 
 

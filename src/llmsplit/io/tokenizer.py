@@ -129,10 +129,15 @@ class HFStream:
 
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer"):
-    """`"byte"` or a path to a tokenizer.json (or a folder holding one)."""
+    """`"byte"`, a path to a tokenizer.json (or a folder holding one), or a .gguf file (the
+    tokenizer its metadata describes)."""
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
+    if path.suffix == ".gguf" and path.is_file():
+        from .gguf import GGUFWeights
+
+        return GGUFWeights(path).tokenizer
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
@@ -159,6 +164,19 @@ def copy_tokenizer_files(tokenizer_json: str | Path, dest: str | Path) -> None:
     for name in TOKENIZER_FILES[1:]:
         if (src / name).is_file():
             shutil.copyfile(src / name, Path(dest) / name)
+
+
+def save_tokenizer_files(tok: HFTokenizer, dest: str | Path) -> None:
+    """Write a tokenizer built in memory (from GGUF metadata) as the files a folder holds:
+    tokenizer.json, and tokenizer_config.json naming its end of turn and chat template."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok._tok.save(str(dest / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.token_text(tok.eos_id) or None,
+              "bos_token": tok.token_text(tok.bos_id) or None}
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 def _tokenizer_config(folder: Path) -> dict:

@@ -42,6 +42,20 @@ def open_weights(path: str | Path, what: str = "--model"):
                       f"{CONFIG_FILE} (an llmsplit run) nor a complete checkpoint")
 
 
+def pretrained_weights(cfg):
+    """The reader of the weights training starts from: model.hf (a Hugging Face folder) or
+    model.gguf (a GGUF file, its blocks dequantized as read); None: from the seed."""
+    if cfg.model.hf and cfg.model.gguf:
+        raise ConfigError("model.hf and model.gguf are both set; keep the one the weights come from")
+    if cfg.model.hf:
+        return open_weights(cfg.model.hf, "model.hf")
+    if cfg.model.gguf:
+        if not Path(cfg.model.gguf).is_file():
+            raise ConfigError(f"model.gguf={cfg.model.gguf!r} is not a file; pass a .gguf model file")
+        return open_weights(cfg.model.gguf, "model.gguf")
+    return None
+
+
 class RunWeights:
     """The newest complete checkpoint of a training run (or a given checkpoint), read once
     into CPU memory: distributed checkpoints are written per rank, and training models are
@@ -85,14 +99,12 @@ class RunWeights:
 
 
 def lora_merged(cfg, model_cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
-    """A LoRA run's model: the frozen base it trained on (model.hf, or the seed's initial
+    """A LoRA run's model: the frozen base it trained on (model.hf or model.gguf, or the seed's initial
     weights) with each adapter merged in, W + (alpha / rank) * B @ A, the same product the
     adapted layer computed. Its checkpoints hold the adapters only."""
     adapters = {"model": read_adapters(cfg, ck, saved)}
-    if cfg.model.hf:
-        from .hf import HFWeights
-
-        source = HFWeights(cfg.model.hf)
+    source = pretrained_weights(cfg)
+    if source is not None:
         base = {name: source.read(name).float() for name in source.names()}
     else:
         from ..models.llama import Transformer

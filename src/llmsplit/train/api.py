@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -111,7 +112,7 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     else:
         cfg = load_config(config, overrides)
     absolute_paths(cfg)  # config.toml then names the same files from any directory
-    if cfg.model.hf:
+    if cfg.model.hf or cfg.model.gguf:
         _use_pretrained_sizes(cfg)
         apply_finetune_defaults(cfg, warn=not torchrun or os.environ.get("RANK", "0") == "0")
     nproc = workers.nproc or default_nproc()
@@ -163,19 +164,21 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
 
 
 def _use_pretrained_sizes(cfg: Config) -> None:
-    """`model.hf`: the model's sizes come from the folder's config.json (explicit size keys
-    would contradict the weights) and, unless one is named, its tokenizer is the folder's."""
-    from ..io.hf import HFWeights
+    """`model.hf` / `model.gguf`: the model's sizes come from the folder's config.json or the
+    file's metadata (explicit size keys would contradict the weights) and, unless one is
+    named, its tokenizer is the folder's (the file's)."""
+    from ..io.weights import pretrained_weights
 
-    hf = HFWeights(cfg.model.hf)  # reads only config.json and the safetensors headers
+    source = pretrained_weights(cfg)  # reads only the metadata and tensor headers
+    key = "model.hf" if cfg.model.hf else "model.gguf"
     for f in fields(cfg.model):
         if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
-                and getattr(cfg.model, f.name) != getattr(hf.config, f.name):
-            raise ConfigError(f"model.{f.name} cannot be set together with model.hf (the folder's config.json "
-                              f"says {getattr(hf.config, f.name)}); remove model.{f.name}")
-    record_model_sizes(cfg, hf.config)
+                and getattr(cfg.model, f.name) != getattr(source.config, f.name):
+            raise ConfigError(f"model.{f.name} cannot be set together with {key} (its config says "
+                              f"{getattr(source.config, f.name)}); remove model.{f.name}")
+    record_model_sizes(cfg, source.config)
     if cfg.data.tokenizer == "byte":
-        cfg.data.tokenizer = str(cfg.model.hf)
+        cfg.data.tokenizer = str(cfg.model.hf or cfg.model.gguf)
 
 
 def check_job(job: TrainJob) -> None:
@@ -189,6 +192,9 @@ def check_job(job: TrainJob) -> None:
                               f"and this model has none (model.n_experts=0); set train.moe_bias_rate=0")
         job.model_cfg.router_bias = True  # the bias it moves; config.toml records it with the sizes
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
+    if job.cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard=true writes events with the tensorboard package, which is not installed; "
+                          "pip install 'llmsplit[tensorboard]' or remove train.tensorboard")
     record_model_sizes(job.cfg, job.model_cfg)
     if job.cfg.lora.init:
         from ..io.peft_adapter import check_init

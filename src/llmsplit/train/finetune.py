@@ -27,7 +27,7 @@ def apply_finetune_defaults(cfg: Config, warn: bool = True) -> None:
     fine-tuning value, and warn (on stderr, when `warn`) about a from-scratch lr they did set.
     A key counts as set when a file or --set named it, or when its value is not the default
     (a Config built in Python and changed by attribute)."""
-    if not cfg.model.hf:
+    if not (cfg.model.hf or cfg.model.gguf):
         return
     scratch = Config()
     for dotted, value in FINETUNE_DEFAULTS.items():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..io.disk_full import writing
-from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, read_metrics, resolve_checkpoint, usable_checkpoint, warn_skipped
+from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR, read_metrics, resolve_checkpoint, usable_checkpoint, warn_skipped
 from .entry import default_run_dir
 from .progress import Progress, print_summary
 
@@ -50,23 +50,35 @@ class MetricsLog:
     """Rank 0's record of the steps: a line of metrics.jsonl every `log_every` steps and at
     the last, and the progress bar or log line of every step."""
 
-    def __init__(self, run_dir: Path, start_step: int, last_step: int, log_every: int):
+    def __init__(self, run_dir: Path, start_step: int, last_step: int, log_every: int, tensorboard: bool = False):
         self.path = path = run_dir / METRICS_FILE
         _trim_metrics(path, start_step)
         self.file = open(path, "a")
         self.progress = Progress(last_step, start_step)
         self.last_step, self.log_every = last_step, log_every
+        self.events = None
+        if tensorboard:  # torch's own writer; a resumed run appends a new event file to the folder
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.events = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
 
     def add(self, record: dict) -> None:
         if record["step"] % self.log_every == 0 or record["step"] == self.last_step or "eval_loss" in record:
             with writing(self.path, f"logging step {record['step']}"):
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
+                if self.events is not None:  # the same numbers, one scalar series per key
+                    for key, value in record.items():
+                        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                            self.events.add_scalar(key, value, record["step"])
+                    self.events.flush()
         self.progress.update(record)
 
     def close(self) -> None:
         self.progress.close()
         self.file.close()
+        if self.events is not None:
+            self.events.close()
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..config import Config, config_from_toml, model_config, to_toml
 from ..data.datasets import build_samplers
 from ..data.loader import Batch
-from ..io.hf import HFWeights
+from ..io.weights import pretrained_weights
 from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
 from ..launch import join_job
@@ -115,7 +115,7 @@ class Trainer:
         self.model_cfg = model_config(cfg, tokenizer.vocab_size)
         self.mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
         self.dp_rank, self.dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
-        weights = HFWeights(cfg.model.hf) if cfg.model.hf else None
+        weights = pretrained_weights(cfg)
         pretrained = (lambda model, only=None: load_pretrained(model, weights, only)) if weights else None
         self.pm = build_parallel_model(self.model_cfg, cfg, self.mesh, device, load_weights=pretrained)
         if cfg.lora.init:
@@ -135,7 +135,7 @@ class Trainer:
             self.pm.build_schedule(cfg.parallel.pp_microbatches or t.global_batch // (self.dp_size * t.micro_batch),
                                    self.loss)
             self.pipeline_times = PipelineTimes(self.pm.schedule)
-        self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every) if self.rank0 else None
+        self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every, t.tensorboard) if self.rank0 else None
         self.held = None  # this rank's parameter, gradient and optimizer bytes, taken at the last step
         self.experts = ExpertStats(self.pm.model, self.model_cfg.n_layers, self.model_cfg.n_experts, device,
                                    cfg.train.moe_bias_rate)
