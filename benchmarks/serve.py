@@ -1,18 +1,24 @@
-"""Serving under load: `llmsplit serve` with 1, 8 and 24 concurrent streaming clients
-against the same server answering one request at a time.
+"""Serving under load, side by side: `llmsplit serve` against its previous engine (a checkout
+of an older commit, `LLMSPLIT_PREVIOUS_SRC`, default /work/wt/prev/src) and llama.cpp's
+`llama-server` (`LLAMA_SERVER`, default the peers build) on the same GGUF file, with as many
+slots as llmsplit has batch rows.
 
-Each client sends its requests back to back (streaming, greedy, a fixed number of new tokens
-with EOS ignored, so every answer has the same length); throughput is all generated tokens
-over the wall time, latency is per request, time to first token is when its first text
-chunk arrives. The peer here is the one-at-a-time server: continuous batching is worth what
-it adds over it. Full mode serves SmolLM2-135M-Instruct (the GGUF the inference benchmark
-uses); quick mode a small random Llama.
+Each of 32 clients sends one streaming request (a seeded workload: prompts of 16-1,024
+random token ids, 16-256 new tokens, greedy, EOS ignored, so every server does the same
+work); systems alternate round by round and medians are reported. Throughput is every
+output token over the wall time, TTFT is when a request's first text chunk arrives. For
+llmsplit alone: KV waste ((reserved - used) / reserved, sampled from /metrics during the
+load), a shared 1,000-token system prompt (second request's TTFT against the first's),
+100 json_schema responses validated, and the same load on a KV pool sized for 8 sequences
+(every request completes; preemptions counted). Full mode serves SmolLM2-135M-Instruct;
+quick mode a small random Llama with a lighter load.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -25,113 +31,238 @@ from pathlib import Path
 
 from .infer import _random_llama, _smollm_gguf
 
-TITLE = "Serving: continuous batching under concurrent clients (llmsplit serve, CPU, fp32)"
-PROMPT = "Write a short story about a lighthouse keeper."
+TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, fp32, 2 threads)"
+PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
+                                                                 "/build/bin/llama-server"))
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "languages": {"type": "array", "items": {"enum": ["python", "c", "rust"]},
+                                                         "maxItems": 3}},
+          "required": ["name", "age", "languages"], "additionalProperties": False}
 
 
-def _start(model: Path, log: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def _start(cmd: list[str], log: Path, env: dict | None = None, ready=r"at (http://127\.0\.0\.1:\d+)/v1",
+           url: str | None = None) -> tuple[subprocess.Popen, str]:
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "llmsplit", "serve", "--model", str(model), "--port", "0",
-                                 "--max-batch", str(max_batch), "--max-context", "256"],
-                                stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 300
-    while not (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 600
+    while not (m := re.search(ready, log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"llmsplit serve did not start:\n{log.read_text()[-2000:]}")
+            raise RuntimeError(f"{cmd[0]} did not start:\n{log.read_text()[-2000:]}")
         time.sleep(0.2)
-    return proc, m.group(1)
+    return proc, url or m.group(1)
 
 
-def _one(url: str, new: int) -> tuple[float, float, int]:
+def _llmsplit(model: Path, log: Path, src: Path, batch: int, context: int, *flags: str):
+    return _start([sys.executable, "-m", "llmsplit", "serve", "--model", str(model), "--port", "0", "--max-batch",
+                   str(batch), "--max-context", str(context), "--max-queue", "256", *flags], log,
+                  env={"PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"})
+
+
+def _llama_server(model: Path, log: Path, batch: int, context: int):
+    port = 8900 + random.randrange(90)
+    return _start([str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", str(batch), "-c", str(batch * context),
+                   "--port", str(port), "--host", "127.0.0.1"], log, ready=r"server is listening",
+                  url=f"http://127.0.0.1:{port}")
+
+
+def workload(n: int, seed: int, vocab: int, prompt=(16, 1024), new=(16, 256)) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(200, vocab - 1) for _ in range(rng.randint(*prompt))], rng.randint(*new))
+            for _ in range(n)]
+
+
+def _one(url: str, prompt, new: int) -> tuple[float, float, int]:
     """(latency s, time to first token s, completion tokens) of one streaming request."""
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, tokens = None, 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk["choices"]:  # text, or the end of an answer without any
+            if first is None and chunk.get("choices"):
                 first = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    assert tokens == new, tokens
     return time.perf_counter() - t0, first, tokens
 
 
-def _load(url: str, clients: int, per_client: int, new: int) -> dict:
-    results, errors = [], []
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
 
-    def client():
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^llmsplit_(\w+) (\S+)$", text, re.M)}
+
+
+def _load(url: str, jobs, watch_kv: bool = False) -> dict:
+    results, errors, waste, done = [], [], [], threading.Event()
+
+    def client(prompt, new):
         try:
-            for _ in range(per_client):
-                results.append(_one(url, new))
+            results.append(_one(url, prompt, new))
         except Exception as e:  # reported below; a thread cannot raise into the benchmark
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    def watch():
+        while not done.wait(0.5):
+            m = _metrics(url)
+            if m.get("kv_tokens_reserved"):
+                waste.append(1 - m["kv_tokens_used"] / m["kv_tokens_reserved"])
+
+    threads = [threading.Thread(target=client, args=job) for job in jobs]
+    watcher = threading.Thread(target=watch) if watch_kv else None
     t0 = time.perf_counter()
-    for t in threads:
+    for t in threads + ([watcher] if watcher else []):
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
-    lat = sorted(r[0] for r in results)
-    ttft = sorted(r[1] for r in results)
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-    return {"clients": clients, "requests": len(results), "tokens_per_s": sum(r[2] for r in results) / wall,
-            "p50_latency_s": statistics.median(lat), "p95_latency_s": pct(lat, 0.95),
-            "p50_ttft_s": statistics.median(ttft), "p95_ttft_s": pct(ttft, 0.95)}
+    done.set()
+    ttft = sorted(r[1] for r in results if r[1] is not None)
+    out = {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
+           "tokens_per_s": sum(r[2] for r in results) / wall, "wall_s": wall,
+           "p50_ttft_s": statistics.median(ttft) if ttft else None,
+           "p99_ttft_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None}
+    if waste:
+        out["kv_waste"] = statistics.median(waste)
+    return out
+
+
+def _prefix(url: str, vocab: int) -> dict:
+    rng = random.Random(7)
+    system = [rng.randrange(200, vocab - 1) for _ in range(1000)]
+    first = _one(url, system + [rng.randrange(200, vocab - 1) for _ in range(12)], 4)[1]
+    second = _one(url, system + [rng.randrange(200, vocab - 1) for _ in range(12)], 4)[1]
+    return {"first_ttft_s": first, "second_ttft_s": second, "ratio": first / second}
+
+
+def _json_schema(url: str, n: int) -> dict:
+    import httpx
+    import jsonschema
+
+    valid, lock = [], threading.Lock()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+    def ask(i):
+        body = {"messages": [{"role": "user", "content": f"Describe programmer number {i} as JSON."}],
+                "response_format": fmt, "max_tokens": 120, "temperature": 0.7, "seed": i}
+        text = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800).json()["choices"][0]["message"][
+            "content"]
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            ok = True
+        except (ValueError, jsonschema.ValidationError):
+            ok = False
+        with lock:
+            valid.append(ok)
+
+    for start in range(0, n, 32):
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(start, min(n, start + 32))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return {"valid": sum(valid), "asked": n}
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main(quick: bool = False) -> dict:
-    levels, per_client, new = ((2,), 1, 8) if quick else ((1, 8, 24), 2, 32)
+    clients, rounds = (4, 1) if quick else (32, int(os.environ.get("SERVE_ROUNDS", "2")))
+    prompt, new = ((8, 48), (4, 16)) if quick else ((16, 1024), (16, 256))
+    context = prompt[1] + new[1]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         gguf = None if quick else _smollm_gguf(tmp)
-        model, label = ((gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)") if gguf is not None
-                        else (_random_llama(tmp), "random Llama, 4 layers, dim 256"))
-        rows = []
-        for clients in levels:
-            # One at a time is the same server with a batch of one; the others batch everyone.
-            for max_batch in sorted({1, clients}):
-                proc, url = _start(model, tmp / f"serve-{clients}-{max_batch}.log", max_batch)
+        model, label, vocab = ((gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)", 49152)
+                               if gguf is not None else (_random_llama(tmp), "random Llama, 4 layers, dim 256", 300))
+        here = Path(__file__).resolve().parent.parent / "src"
+        systems = {"llmsplit": lambda log: _llmsplit(model, log, here, clients, context)}
+        if not quick and (PREVIOUS / "llmsplit").is_dir():
+            systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context)
+        if not quick and gguf is not None and LLAMA_SERVER.exists():
+            systems["llama-server"] = lambda log: _llama_server(model, log, clients, context)
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
+        loads = []
+        for r in range(rounds):
+            jobs = workload(clients, seed=r, vocab=vocab, prompt=prompt, new=new)
+            loads.append(os.getloadavg()[0])
+            for name, start in systems.items():  # alternating: every system sees every round's load
+                proc, url = start(tmp / f"{name}-{r}.log")
                 try:
-                    _one(url, 2)  # warm-up
-                    row = _load(url, clients, per_client, new)
+                    _one(url, jobs[0][0][:8], 2)  # warm-up
+                    runs[name].append(_load(url, jobs, watch_kv=name == "llmsplit"))
                 finally:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(120)
-                row["max_batch"] = max_batch
-                rows.append(row)
-                print(f"{clients} clients, max batch {max_batch}: {row['tokens_per_s']:.1f} tokens/s",
-                      file=sys.stderr)
-    serial = {r["clients"]: r for r in rows if r["max_batch"] == 1}
-    batched = {r["clients"]: r for r in rows if r["max_batch"] == r["clients"]}
-    return {"model": label, "new_tokens": new, "per_client": per_client, "threads": os.cpu_count(),
-            "rows": [batched[c] for c in levels], "serial": [serial[c] for c in levels],
-            "speedup": {c: batched[c]["tokens_per_s"] / serial[c]["tokens_per_s"] for c in levels}}
+                    _stop(proc)
+                print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)
+        extra = {}
+        proc, url = _llmsplit(model, tmp / "extra.log", here, clients, context)
+        try:
+            extra["prefix"] = _prefix(url, vocab) if not quick else None
+            extra["json_schema"] = _json_schema(url, 100) if not quick else None  # needs xgrammar, jsonschema
+        finally:
+            _stop(proc)
+        # A pool for 8 whole sequences under 32 clients: blocks on demand, preemption, no failure.
+        proc, url = _llmsplit(model, tmp / "small.log", here, clients, context, "--kv-tokens", str(8 * context))
+        try:
+            extra["small_pool"] = _load(url, workload(clients, seed=99, vocab=vocab, prompt=prompt, new=new))
+            extra["small_pool"]["preemptions"] = _metrics(url)["preemptions_total"]
+        finally:
+            _stop(proc)
+        print(f"extra: {extra}", file=sys.stderr)
+    summary = {name: {k: statistics.median(x[k] for x in rs) for k in ("tokens_per_s", "p50_ttft_s", "p99_ttft_s")}
+               for name, rs in runs.items()}
+    wastes = [x["kv_waste"] for x in runs["llmsplit"] if "kv_waste" in x]
+    summary["llmsplit"]["kv_waste"] = statistics.median(wastes) if wastes else None
+    return {"model": label, "clients": clients, "rounds": rounds, "prompt": prompt, "new": new,
+            "summary": summary, "runs": runs, "extra": extra, "loadavg": loads, "missing": [
+                n for n in ("previous engine", "llama-server") if n not in systems]}
 
 
 def to_markdown(r: dict) -> list[str]:
-    out = [f"{r['model']}; each client sends {r['per_client']} streaming requests back to back, greedy, "
-           f"{r['new_tokens']} new tokens each (EOS ignored); one server per row.", "",
-           "| clients | server | requests | tokens/s | vs one at a time | p50 latency s | p95 latency s "
-           "| p50 TTFT s | p95 TTFT s |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for batched, serial in zip(r["rows"], r["serial"]):
-        for row, name in ((serial, "one at a time"), (batched, "continuous batching")):
-            if name == "continuous batching" and row is serial:
-                continue
-            ratio = row["tokens_per_s"] / serial["tokens_per_s"]
-            out.append(f"| {row['clients']} | {name} | {row['requests']} | {row['tokens_per_s']:.1f} | "
-                       f"{'**' if row is batched else ''}{ratio:.2f}x{'**' if row is batched else ''} | "
-                       f"{row['p50_latency_s']:.2f} | {row['p95_latency_s']:.2f} | {row['p50_ttft_s']:.2f} | "
-                       f"{row['p95_ttft_s']:.2f} |")
+    s = r["summary"]
+    out = [f"{r['model']}; {r['clients']} clients at once, one streaming request each, prompts of "
+           f"{r['prompt'][0]}-{r['prompt'][1]} token ids and {r['new'][0]}-{r['new'][1]} new tokens (seeded, greedy, "
+           f"EOS ignored); medians of {r['rounds']} alternating rounds; 1-min load average at each round's start: "
+           f"{', '.join(f'{x:.2f}' for x in r['loadavg'])}.", "",
+           "| server | output tokens/s | vs llmsplit | TTFT p50 s | TTFT p99 s |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, row in s.items():
+        out.append(f"| {name} | {row['tokens_per_s']:.1f} | {s['llmsplit']['tokens_per_s'] / row['tokens_per_s']:.2f}x "
+                   f"| {row['p50_ttft_s']:.2f} | {row['p99_ttft_s']:.2f} |")
+    for name in r["missing"]:
+        out.append(f"| {name} | not run (not found, or quick mode) | | | |")
+    e, waste = r["extra"], s["llmsplit"]["kv_waste"]
+    out += ["", f"- KV waste under that load (llmsplit, /metrics every 0.5 s): "
+                f"{'not sampled' if waste is None else f'{100 * waste:.1f}% of reserved slots'}."]
+    if e.get("prefix"):
+        p = e["prefix"]
+        out.append(f"- Shared 1,000-token system prompt: first TTFT {p['first_ttft_s']:.2f} s, second "
+                   f"{p['second_ttft_s']:.3f} s ({p['ratio']:.1f}x faster).")
+    j, small = e["json_schema"], e["small_pool"]
+    if j:
+        out.append(f"- json_schema: {j['valid']} / {j['asked']} responses parse and validate against their schema.")
+    out.append(f"- KV pool for 8 sequences, {r['clients']} clients: {small['requests']} completed, {small['errors']} "
+               f"errors, {small['preemptions']:.0f} preemptions, {small['tokens_per_s']:.1f} tokens/s.")
     return out
+
+
+def plot(r: dict, out_dir) -> list:
+    from .plots import bars
+
+    names = list(r["summary"])
+    return [bars(Path(out_dir) / "serve.png", f"{r['model']}: {r['clients']} clients", names,
+                 [("output tokens/s", [r["summary"][n]["tokens_per_s"] for n in names]),
+                  ("TTFT p50 s", [r["summary"][n]["p50_ttft_s"] for n in names])])]
