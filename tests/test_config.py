@@ -1,6 +1,7 @@
 import pytest
 
-from llmsplit.config import ConfigError, config_from_toml, load_config, model_config, to_toml, validate
+from llmsplit.config import (ConfigError, config_from_toml, load_config, model_config, record_model_sizes, to_toml,
+                             validate)
 
 from helpers import run_cli
 
@@ -27,6 +28,19 @@ def test_explicit_sizes_override_the_preset():
     cfg = load_config(None, ["model.n_heads=4"])
     mc = model_config(cfg, 258)
     assert mc.n_heads == 4 and mc.n_kv_heads == 4 and mc.dim == 256
+
+
+def test_a_recorded_config_keeps_head_dim_derived_unless_the_model_chose_its_own():
+    """A run's config.toml records every resolved size; head_dim only where it is not
+    dim // n_heads, so a copy edited to another n_heads builds heads of the new size."""
+    cfg = load_config()
+    record_model_sizes(cfg, model_config(cfg, 258))
+    assert cfg.model.dim == 256 and cfg.model.head_dim is None
+    edited = config_from_toml(to_toml(cfg).replace("n_heads = 8", "n_heads = 4"))
+    assert model_config(edited, 258).head_dim == 64
+    own = load_config(None, ["model.head_dim=16"])
+    record_model_sizes(own, model_config(own, 258))
+    assert config_from_toml(to_toml(own)).model.head_dim == 16
 
 
 @pytest.mark.parametrize("sets, world, fragment", [

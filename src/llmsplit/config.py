@@ -393,7 +393,11 @@ def model_config(cfg: Config, tokenizer_vocab: int | None = None):
 
 def record_model_sizes(cfg: Config, model_cfg) -> None:
     """Write the resolved sizes into the config, so the run's config.toml says exactly
-    what was built (and rebuilds the same model when read back)."""
+    what was built (and rebuilds the same model when read back). A head_dim that is just
+    dim // n_heads stays derived, so a copy of the file edited to other dim or n_heads
+    builds heads of the new size, not the old one's."""
     for f in fields(cfg.model):
         if f.name not in ("preset", "hf", "gguf") and hasattr(model_cfg, f.name):
             setattr(cfg.model, f.name, getattr(model_cfg, f.name))
+    if model_cfg.head_dim == model_cfg.dim // model_cfg.n_heads:
+        cfg.model.head_dim = None
