@@ -173,3 +173,17 @@ def test_many_rows_widen_tile_by_tile(monkeypatch):
             want = x @ p.dequantize().t()
             got = torch.nn.functional.linear(x, p)
             assert got.shape == want.shape and (got - want).abs().max() < 0.01 * want.abs().max(), kind
+
+
+def test_packing_in_row_chunks_gives_the_whole_packing(monkeypatch):
+    """GGUF weights are packed PACK_ROWS rows at a time (bounded transient memory): the same
+    bytes and scales as packing the whole weight at once, padded last chunk included."""
+    from llmsplit.quant import packed as packed_module
+
+    g = from_gguf_blocks("Q8_0", gguf.quants.quantize(np.random.default_rng(2).standard_normal((200, 64))
+                                                       .astype(np.float32), gguf.GGMLQuantizationType.Q8_0), 200, 64)
+    whole = pack_groups(g)
+    monkeypatch.setattr(packed_module, "PACK_ROWS", 64)
+    chunked = PackedWeight.from_row_chunks(200, g.rows)
+    assert torch.equal(chunked.packed, whole.packed) and torch.equal(chunked.scales, whole.scales)
+    assert chunked.shape == whole.shape and chunked.doubled

@@ -1,7 +1,8 @@
 """GGUF files in (as llama.cpp and Ollama run them), through the `gguf` package.
 
-The file is memory-mapped; each tensor is dequantized to float32 only when read, so a
-layer offloaded to disk or owned by another rank costs nothing here. llama.cpp stores
+The file is memory-mapped (`gguf_header`); each tensor is converted only when read (kept
+packed, or dequantized to float32), so a layer offloaded to disk or owned by another rank
+costs nothing here, and its pages leave the resident set once converted. llama.cpp stores
 q/k weights permuted for its interleaved rotary layout; they are permuted back to the
 Hugging Face "rotate half" layout our model uses. The tokenizer is rebuilt from the
 file's metadata with the `tokenizers` library.
@@ -70,22 +71,24 @@ class GGUFWeights:
 
     def __init__(self, path: str | Path):
         try:
-            from gguf import GGUFReader
+            import gguf  # noqa: F401  (its type tables and dequantization)
         except ImportError:
             raise ConfigError("reading GGUF files needs the gguf package: pip install 'llmsplit[gguf]'") from None
+        from .gguf_header import GGUFHeader
+
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as e:  # the reader raises ValueError/struct errors for damaged files
+            self._file = GGUFHeader(str(self.path))
+        except Exception as e:  # ValueError/struct errors (and bad UTF-8) for damaged files
             raise ConfigError(f"{str(self.path)!r} is not a readable GGUF file ({str(e)[:100]})") from None
-        self._meta = {k: f for k, f in self._reader.fields.items()}
+        self._meta = self._file.fields
         arch = self._value("general.architecture")
         if arch not in ARCHITECTURES:
             raise ConfigError(f"{str(self.path)!r}: GGUF architecture {arch!r} is not supported; llmsplit reads "
                               f"{', '.join(ARCHITECTURES)}")
         self._tensors = {}
         self._rope_freqs = None  # llama.cpp's per-frequency divisors (Llama 3.1+ rope scaling)
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             if t.name == "rope_freqs.weight":
                 self._rope_freqs = t
             ours = from_gguf_name(t.name)
@@ -103,15 +106,13 @@ class GGUFWeights:
             raise ConfigError(f"{str(self.path)!r}: the GGUF metadata does not match its tensors: {problem}")
         self.dtype = torch.float32  # dequantized values; the engine casts to its compute dtype
         self.tokenizer = gguf_tokenizer(self._value, self.path)
+        for key in ("tokens", "merges", "scores", "token_type"):  # now in the tokenizer; ~10 MiB of str
+            self._meta.pop(f"tokenizer.ggml.{key}", None)
         eos = self._value("tokenizer.ggml.eos_token_id")
         self.eos_ids = {int(eos)} if eos is not None else set()
 
     def _value(self, key: str, default=None):
-        f = self._meta.get(key)
-        try:
-            return default if f is None else f.contents()
-        except UnicodeDecodeError:
-            raise ConfigError(f"{str(self.path)!r}: GGUF metadata {key} is not valid UTF-8 text") from None
+        return self._meta.get(key, default)
 
     def _config(self, arch: str) -> LlamaConfig:
         """The model config from the `{arch}.*` metadata, each value checked for its kind."""
@@ -193,22 +194,31 @@ class GGUFWeights:
         if self.packed_kind(name) is None:
             return None
         t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]
-        cols, rows = (int(d) for d in t.shape)
-        g = quant.from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), rows, cols)
+        cols, rows = t.shape
         heads = {"wq": self.config.n_heads, "wk": self.config.n_kv_heads}.get(name.split(".")[-2])
-        if heads is not None:
-            g = g.rows(unpermute_from_gguf(torch.arange(rows), heads))
-        if shard is not None:
-            dim, index, parts = shard
+        order = torch.arange(rows) if heads is None else unpermute_from_gguf(torch.arange(rows), heads)
+        dim, index, parts = shard or (0, 0, 1)
+        if dim == 0:
+            order = order[index * rows // parts:(index + 1) * rows // parts]
+        raw = t.data.reshape(rows, -1)  # [rows, bytes per row]
+
+        def groups(chunk: slice) -> quant.formats.Groups:
+            picked = order[chunk].numpy()
+            g = quant.from_gguf_blocks(t.tensor_type.name, raw[picked], len(picked), cols)
+            # The chunk's file pages leave the resident set as soon as it is converted: a 49k-token
+            # embedding's 30 MB of blocks would otherwise stay mapped in beside its packed copy.
+            self._file.release(t, int(picked.min()) * raw.shape[1], (int(picked.max()) + 1) * raw.shape[1])
             if dim == 0:
-                g = g.rows(slice(index * rows // parts, (index + 1) * rows // parts))
-            else:
-                try:
-                    g = g.column_chunk(index, parts)
-                except ValueError as e:
-                    raise ConfigError(f"{str(self.path)!r}: {name} cannot be split {parts} ways packed: {e}; "
-                                      f"use another --tp, or --quantize none to widen it") from None
-        return quant.pack_groups(g)
+                return g
+            try:
+                return g.column_chunk(index, parts)
+            except ValueError as e:
+                raise ConfigError(f"{str(self.path)!r}: {name} cannot be split {parts} ways packed: {e}; "
+                                  f"use another --tp, or --quantize none to widen it") from None
+
+        w = quant.PackedWeight.from_row_chunks(len(order), groups)
+        self._file.release(t)
+        return w
 
     def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
         from gguf.quants import dequantize
@@ -226,6 +236,7 @@ class GGUFWeights:
         if shard is not None:
             dim, index, parts = shard
             w = w.chunk(parts, dim)[index].contiguous()
+        self._file.release(t)
         return w
 
     def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

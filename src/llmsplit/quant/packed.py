@@ -10,11 +10,15 @@ silently widens a packed weight to float.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from . import kernels
 from .formats import Groups
+
+PACK_ROWS = 2048  # output rows packed at a time (a multiple of the kernel's row blocks)
 
 
 class PackedWeight(torch.Tensor):
@@ -35,6 +39,23 @@ class PackedWeight(torch.Tensor):
     def from_groups(cls, g: Groups) -> PackedWeight:
         packed, sz = kernels.pack_int4(g)
         return cls("int4", packed, sz, (g.q.shape[0], g.in_features), g.group, g.doubled)
+
+    @classmethod
+    def from_row_chunks(cls, rows: int, groups_of: Callable[[slice], Groups]) -> PackedWeight:
+        """Packed PACK_ROWS output rows at a time into tensors allocated once, so the unpacked
+        form (a byte a weight, and the int32 the kernel's packer takes) exists for one chunk
+        only: SmolLM2's Q8_0 embedding is 56 MB as bytes, 4x that as int32."""
+        first = cls.from_groups(groups_of(slice(0, min(rows, PACK_ROWS))))
+        if rows <= PACK_ROWS:
+            return first
+        padded = -(-rows // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
+        packed = first.packed.new_empty((padded, first.packed.shape[1]))
+        scales = first.scales.new_empty((first.scales.shape[0], padded, 2))
+        for start in range(0, rows, PACK_ROWS):
+            part = first if start == 0 else cls.from_groups(groups_of(slice(start, min(rows, start + PACK_ROWS))))
+            n = part.packed.shape[0]  # the last chunk's padded rows included
+            packed[start:start + n], scales[:, start:start + n] = part.packed, part.scales
+        return cls("int4", packed, scales, (rows, first.shape[1]), first.group, first.doubled)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
