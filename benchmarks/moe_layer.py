@@ -124,6 +124,7 @@ def expert_parallel_rounds(shape: tuple, x: torch.Tensor, world: int, rounds: in
             q.put(True)
         ours_s = done.get()
         out.append((ours_s, timed(peer, x)))
+        print(f"round {len(out)}: ours {out[-1][0]:.4f} s, transformers {out[-1][1]:.4f} s", file=sys.stderr, flush=True)
     for q in go:
         q.put(False)
     for p in procs:
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
     x = torch.randn(1, tokens, dim)
     if "--ep" in argv:
         world = int(argv[argv.index("--ep") + 1])
-        rounds = expert_parallel_rounds((dim, ffn, experts, k), x, world, 3 if quick else 5)
+        rounds = expert_parallel_rounds((dim, ffn, experts, k), x, world, 3)
         ours_s = statistics.median(r[0] for r in rounds)
         peer_s = statistics.median(r[1] for r in rounds)
         print(f"MoE layer, {experts} experts top-{k}, dim {dim}, ffn {ffn}, {tokens} tokens, torch {torch.__version__}, "
