@@ -246,12 +246,10 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(repr, allowed))}")
-    for key, low in (("train.steps", 1), ("train.global_batch", 1), ("train.micro_batch", 1),
-                     ("train.warmup_steps", 0), ("train.weight_decay", 0), ("train.grad_clip", 0),
-                     ("train.log_every", 1), ("train.seed", 0), ("data.seq_len", 2), ("checkpoint.every", 0),
-                     ("checkpoint.keep", 1), ("train.profile_steps", 0), ("parallel.dp_replicate", 1),
-                     ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0),
-                     ("train.moe_bias_rate", 0)):
+    for key, low in (("train.steps", 1), ("train.global_batch", 1), ("train.micro_batch", 1), ("train.warmup_steps", 0),
+                     ("train.weight_decay", 0), ("train.grad_clip", 0), ("train.log_every", 1), ("train.seed", 0),
+                     ("data.seq_len", 2), ("checkpoint.every", 0), ("checkpoint.keep", 1), ("train.profile_steps", 0),
+                     ("parallel.dp_replicate", 1), ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0)):
         _at_least(cfg, key, low)
     if mem.limit_bytes is not None:
         _at_least(cfg, "memory.limit_bytes", 1)
@@ -261,9 +259,6 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
-    if t.moe_aux_loss and cfg.parallel.pp > 1:
-        raise ConfigError("train.moe_aux_loss with parallel.pp > 1 is not available yet (the pipeline's loss sees "
-                          "only its last stage); set train.moe_aux_loss=0 or parallel.pp=1")
     check_data(cfg.data, t.eval_every)
     if t.eval_every and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"train.eval_every with parallel.pp_schedule={cfg.parallel.pp_schedule!r}: torch cannot run "

@@ -181,16 +181,27 @@ def _use_pretrained_sizes(cfg: Config) -> None:
         cfg.data.tokenizer = str(cfg.model.hf or cfg.model.gguf)
 
 
+def check_moe_training(job: TrainJob) -> None:
+    """The mixture-of-experts training keys: the load-balancing loss and the loss-free bias."""
+    t = job.cfg.train
+    if t.moe_aux_loss and job.cfg.parallel.pp > 1:
+        raise ConfigError("train.moe_aux_loss with parallel.pp > 1 is not available yet (the pipeline's loss sees "
+                          "only its last stage); set train.moe_aux_loss=0 or parallel.pp=1")
+    if t.moe_bias_rate < 0:
+        raise ConfigError(f"train.moe_bias_rate={t.moe_bias_rate} must be at least 0")
+    if t.moe_bias_rate:
+        if not job.model_cfg.n_experts:
+            raise ConfigError(f"train.moe_bias_rate={t.moe_bias_rate} balances mixture-of-experts layers and this "
+                              f"model has none (model.n_experts=0); set train.moe_bias_rate=0")
+        job.model_cfg.router_bias = True  # the bias it moves; config.toml records it with the sizes
+
+
 def check_job(job: TrainJob) -> None:
     """Everything that can be refused before a worker starts, on the final layout; fills in
     the derived values (parallel.dp, the model's sizes) that the workers read."""
     from ..io.run_dir import checkpoint_dir, usable_checkpoint
 
-    if job.cfg.train.moe_bias_rate:
-        if not job.model_cfg.n_experts:
-            raise ConfigError(f"train.moe_bias_rate={job.cfg.train.moe_bias_rate} balances mixture-of-experts layers "
-                              f"and this model has none (model.n_experts=0); set train.moe_bias_rate=0")
-        job.model_cfg.router_bias = True  # the bias it moves; config.toml records it with the sizes
+    check_moe_training(job)
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
     if job.cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard=true writes events with the tensorboard package, which is not installed; "
