@@ -32,6 +32,7 @@ from pathlib import Path
 from .infer import _random_llama, _smollm_gguf
 
 TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, fp32, 2 threads)"
+BUDGET = 512  # llmsplit's --max-num-batched-tokens here
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
                                                                  "/build/bin/llama-server"))
@@ -190,7 +191,9 @@ def main(quick: bool = False) -> dict:
         model, label, vocab = ((gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)", 49152)
                                if gguf is not None else (_random_llama(tmp), "random Llama, 4 layers, dim 256", 300))
         here = Path(__file__).resolve().parent.parent / "src"
-        systems = {"llmsplit": lambda log: _llmsplit(model, log, here, clients, context)}
+        # A step's budget: the running streams keep their pace while the 32 prompts fill, oldest first.
+        budget = ("--max-num-batched-tokens", str(BUDGET))
+        systems = {"llmsplit": lambda log: _llmsplit(model, log, here, clients, context, *budget)}
         if not quick and (PREVIOUS / "llmsplit").is_dir():
             systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context)
         if not quick and gguf is not None and LLAMA_SERVER.exists():
@@ -208,15 +211,16 @@ def main(quick: bool = False) -> dict:
                 finally:
                     _stop(proc)
                 print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)
-        extra = {}
-        proc, url = _llmsplit(model, tmp / "extra.log", here, clients, context)
-        try:
-            extra["prefix"] = _prefix(url, vocab) if not quick else None
-            extra["json_schema"] = _json_schema(url, 100) if not quick else None  # needs xgrammar, jsonschema
-        finally:
-            _stop(proc)
+        extra = {"prefix": None, "json_schema": None}
+        if not quick:  # the json_schema check needs xgrammar and jsonschema
+            proc, url = _llmsplit(model, tmp / "extra.log", here, clients, context, *budget)
+            try:
+                extra["prefix"], extra["json_schema"] = _prefix(url, vocab), _json_schema(url, 100)
+            finally:
+                _stop(proc)
         # A pool for 8 whole sequences under 32 clients: blocks on demand, preemption, no failure.
-        proc, url = _llmsplit(model, tmp / "small.log", here, clients, context, "--kv-tokens", str(8 * context))
+        proc, url = _llmsplit(model, tmp / "small.log", here, clients, context, *budget, "--kv-tokens",
+                              str(8 * context))
         try:
             extra["small_pool"] = _load(url, workload(clients, seed=99, vocab=vocab, prompt=prompt, new=new))
             extra["small_pool"]["preemptions"] = _metrics(url)["preemptions_total"]
@@ -236,9 +240,9 @@ def to_markdown(r: dict) -> list[str]:
     s = r["summary"]
     out = [f"{r['model']}; {r['clients']} clients at once, one streaming request each, prompts of "
            f"{r['prompt'][0]}-{r['prompt'][1]} token ids and {r['new'][0]}-{r['new'][1]} new tokens (seeded, greedy, "
-           f"EOS ignored); medians of {r['rounds']} alternating rounds; 1-min load average at each round's start: "
+           f"EOS ignored); llmsplit with --max-num-batched-tokens {BUDGET}; medians of {r['rounds']} alternating rounds; 1-min load average at each round's start: "
            f"{', '.join(f'{x:.2f}' for x in r['loadavg'])}.", "",
-           "| server | output tokens/s | vs llmsplit | TTFT p50 s | TTFT p99 s |", "| --- | ---: | ---: | ---: | ---: |"]
+           "| server | output tokens/s | llmsplit ÷ this | TTFT p50 s | TTFT p99 s |", "| --- | ---: | ---: | ---: | ---: |"]
     for name, row in s.items():
         out.append(f"| {name} | {row['tokens_per_s']:.1f} | {s['llmsplit']['tokens_per_s'] / row['tokens_per_s']:.2f}x "
                    f"| {row['p50_ttft_s']:.2f} | {row['p99_ttft_s']:.2f} |")
