@@ -57,7 +57,8 @@ def main(argv) -> None:
     print("| lora.base | peak per rank (MiB, median) | per round | parameters held (MiB) | step-1 loss | step s |\n"
           "| --- | ---: | --- | ---: | ---: | ---: |")
     for base, rows in results.items():
-        print(f"| {base} | {med(rows, 'peak') / 2**20:.0f} | {', '.join(f'{x['peak'] / 2**20:.0f}' for x in rows)} | "
+        per_round = ", ".join(f"{x['peak'] / 2**20:.0f}" for x in rows)
+        print(f"| {base} | {med(rows, 'peak') / 2**20:.0f} | {per_round} | "
               f"{med(rows, 'params') / 2**20:.0f} | {rows[0]['loss1']:.5f} | {med(rows, 'step_s'):.2f} |")
     for base in bases[1:]:
         print(f"{base}: {med(results[base], 'peak') / med(results[bases[0]], 'peak'):.2f}x the peak of "
