@@ -5,7 +5,7 @@ prints a markdown report:
 - quality: greedy tokens over 64 new tokens and the mean NLL over `--tokens` tokens of
   pydoc_data.topics (chunks of 512), the GGUF kept packed against the same file dequantized
   to float32 (`quantize="none"`); the packed rows both through the prompt path
-  (dequantize-then-matmul) and through the decode kernel (forced for every row count);
+  (widened to bf16 tile by tile, bf16 GEMM) and through the decode kernel (forced for every row count);
   then the float32 model quantized at load, int8 and int4, by perplexity;
 - memory: the bytes of parameters and buffers each loaded model holds, and the peak RSS
   of a process that only loads the model (against the file size);
@@ -151,7 +151,7 @@ def report(path: str, q: dict, s: dict, rss: dict, threads: int) -> str:
              "| | mean NLL | perplexity | Δ vs fp32 | weights held |", "| --- | ---: | ---: | ---: | ---: |"]
     base = q["nll_fp32"]
     rows = [("GGUF dequantized to fp32 (`quantize=\"none\"`)", "nll_fp32", "bytes_fp32"),
-            ("GGUF kept packed, prompt path (dequantize-then-matmul)", "nll_packed_prompt_path", "bytes_packed"),
+            ("GGUF kept packed, prompt path (bf16 tiles, bf16 GEMM)", "nll_packed_prompt_path", "bytes_packed"),
             ("GGUF kept packed, decode kernel on every row (bf16 in)", "nll_packed_kernel", "bytes_packed"),
             ("fp32 quantized at load: int8 (per row)", "nll_int8", "bytes_int8"),
             ("fp32 quantized at load: int4 (groups of 32)", "nll_int4", "bytes_int4")]
