@@ -231,7 +231,8 @@ def _add_plan(sub) -> argparse.ArgumentParser:
                    "(default: every layout)")
     p.add_argument("--top", type=COUNT, default=5, metavar="K", help="layouts to show (default %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                   help="a training key the plan counts, e.g. lora.rank=16, lora.base=nf4 (repeatable)")
+                   help="a training key the plan counts, e.g. lora.rank=16, lora.base=nf4 (repeatable; "
+                   "default: the config's, else no LoRA)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config "
                    "(default: write nothing)")
