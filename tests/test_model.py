@@ -74,6 +74,22 @@ def test_init_is_independent_of_build_device_and_repeatable():
     assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
 
 
+def test_a_tied_head_built_on_the_meta_device_stays_tied():
+    """Module.to_empty gives each module a parameter of its own; tie_weights shares the head
+    with the embedding again, as the plain model built on the CPU does."""
+    tied = LlamaConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    a = build(tied, seed=3)
+    with torch.device("meta"):
+        b = Transformer(tied)
+    b.to_empty(device="cpu")
+    assert b.output.weight is not b.tok_embeddings.weight  # what torch does
+    b.tie_weights()
+    b.init_weights(3)
+    assert b.output.weight is b.tok_embeddings.weight and len(list(b.parameters())) == len(list(a.parameters()))
+    tokens = torch.randint(0, 100, (2, 8))
+    assert torch.equal(a(tokens), b(tokens))
+
+
 def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
     """A DTensor parameter sharded over a 1-rank mesh keeps exactly the full tensor's slice."""
     import torch.distributed as dist

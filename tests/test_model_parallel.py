@@ -54,13 +54,17 @@ def test_layout_logs_the_single_process_loss(reference, tmp_path, nproc, sets):
             assert str(layout[key.split(".")[1]]) == value
 
 
-def test_a_vocabulary_tp_does_not_divide_logs_the_single_process_loss(tmp_path):
+def test_a_vocabulary_tp_does_not_divide_and_a_tied_head_log_the_single_process_loss(tmp_path):
     # layout.check no longer asks vocab % tp == 0: the vocabulary-parallel embedding and loss
-    # take uneven DTensor shards (130 + 129 rows of 259 on tp 2).
-    odd = [*MP, "model.vocab_size=259"]
+    # take uneven DTensor shards (130 + 129 rows of 259 on tp 2). The head is tied to the
+    # embedding: Module.to_empty used to untie them everywhere but under FSDP, whose losses
+    # then differed from the other layouts' from step 1 (Transformer.tie_weights).
+    odd = [*MP, "model.vocab_size=259", "model.tie_embeddings=true"]
     train(tmp_path / "one", *odd, "train.micro_batch=8", nproc=1)
     train(tmp_path / "tp", *odd, "parallel.tp=2", nproc=2)
+    train(tmp_path / "fsdp", *odd, "parallel.zero=3", nproc=2)
     assert_close_losses(losses(tmp_path / "tp"), losses(tmp_path / "one"))
+    assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "one"))
 
 
 def test_tp4_replicates_the_two_kv_heads(reference, tmp_path):

@@ -255,6 +255,13 @@ class Transformer(nn.Module):
             return cos_t[pos], sin_t[pos]
         return cos_t[start_pos:], sin_t[start_pos:]
 
+    def tie_weights(self) -> None:
+        """Share the head's weight with the embedding again where the config ties them:
+        `Module.to_empty` gives every module a new parameter of its own, which unties them
+        (then the head was initialised and trained apart, and layouts disagreed)."""
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None,
                      only: Callable[[str], bool] | None = None):

@@ -71,6 +71,7 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
             _shard(model, parts, mesh, cfg)
         # CPU offload keeps the sharded parameters in host memory; FSDP moves them per use.
         model.to_empty(device="cpu" if mem.offload == "cpu" else device)
+        model.tie_weights()
         model.init_weights(cfg.train.seed, buffer_device=device)
         if load_weights is not None:
             load_weights(model)
@@ -111,6 +112,7 @@ def _materialise_quantized(model: Transformer, cfg: Config, device: torch.device
     for name, child in model.named_children():
         if name != "layers":
             child.to_empty(device=device)
+    model.tie_weights()
     outside = lambda name: not plain_name(name).startswith("layers.")  # noqa: E731
     model.init_weights(seed, buffer_device=device, only=outside)
     if load_weights is not None:
