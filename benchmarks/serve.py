@@ -63,8 +63,9 @@ def _llmsplit(model: Path, log: Path, src: Path, batch: int, context: int, *flag
 
 def _llama_server(model: Path, log: Path, batch: int, context: int):
     port = 8900 + random.randrange(90)
+    # --no-repack: llama.cpp's AMX repacking segfaults on these VMs (benchmarks/llama_cpp.py).
     return _start([str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", str(batch), "-c", str(batch * context),
-                   "--port", str(port), "--host", "127.0.0.1"], log, ready=r"server is listening",
+                   "--port", str(port), "--host", "127.0.0.1", "--no-repack"], log, ready=r"listening on http",
                   url=f"http://127.0.0.1:{port}")
 
 
