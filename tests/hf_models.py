@@ -81,3 +81,18 @@ def greedy_tokens(m, prompt: list[int], n: int = 8) -> list[int]:
     seq = m.engine.new_sequence(prompt, SamplingParams(n, ignore_eos=True))
     m.engine.generate([seq])
     return seq.tokens
+
+
+def merge_peft_adapter(model, adapter_dir: Path, scale: float):
+    """`model` (transformers) with a PEFT LoRA export merged in the way PEFT merges it:
+    W += scale · B @ A for every adapted module (peft itself is a benchmark-only peer)."""
+    import torch
+    from safetensors.torch import load_file
+
+    adapter = load_file(Path(adapter_dir) / "adapter_model.safetensors")
+    with torch.no_grad():
+        for key, a in adapter.items():
+            if ".lora_A." in key:
+                module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
+                module.weight += scale * adapter[key.replace("lora_A", "lora_B")] @ a
+    return model

@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
-from hf_models import hf_model, make_hf_folder  # noqa: E402
+from hf_models import hf_model, make_hf_folder, merge_peft_adapter  # noqa: E402
 from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.io.gguf import GGUFWeights, permute_for_gguf, to_gguf_name  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
@@ -189,18 +189,10 @@ def test_qlora_fine_tunes_on_top_of_a_gguf_file(folder, tmp_path):
     train(tmp_path / "run", f"model.gguf={path}", "lora.base=nf4", "parallel.zero=3", *QL, nproc=2)
     assert_close_losses(losses(tmp_path / "run"), losses(tmp_path / "ref"))
     # The run's PEFT export applied to the file's weights (in `same`) the way PEFT merges it.
-    from safetensors.torch import load_file
-
     from helpers import run_cli
 
     run_cli("export", "--checkpoint", str(tmp_path / "run"), "--to", "peft", str(tmp_path / "adapter"))
-    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    model = hf_model(same)
-    with torch.no_grad():
-        for key, a in adapter.items():
-            if ".lora_A." in key:
-                module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
-                module.weight += 8 / 4 * adapter[key.replace("lora_A", "lora_B")] @ a
+    model = merge_peft_adapter(hf_model(same), tmp_path / "adapter", scale=8 / 4)
     ids = torch.randint(0, 300, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(ids),

@@ -131,7 +131,7 @@ def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     model.hf the way PEFT merges it (W + lora_alpha / r * B @ A), the adapter gives the logits of
     `llmsplit.load(RUN)`. (peft itself, a benchmark-only peer, loads it with PeftModel.from_pretrained.)"""
     import transformers
-    from hf_models import make_hf_folder
+    from hf_models import make_hf_folder, merge_peft_adapter
     from safetensors.torch import load_file
 
     import llmsplit
@@ -144,12 +144,7 @@ def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, ["down_proj", "q_proj", "v_proj"])
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert adapter["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (4, 128)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    with torch.no_grad():
-        for key, a in adapter.items():
-            if ".lora_A." in key:
-                module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
-                module.weight += 8 / 4 * adapter[key.replace("lora_A", "lora_B")] @ a
+    model = merge_peft_adapter(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter", scale=8 / 4)
     tokens = torch.randint(0, 300, (1, 12))
     torch.testing.assert_close(model(tokens).logits, llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(tokens),
                                rtol=1e-4, atol=1e-4)
