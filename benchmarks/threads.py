@@ -151,10 +151,17 @@ def to_markdown(r: dict) -> list[str]:
             f"{r['seconds']:.0f} s per measurement; median of {r['rounds']} alternating rounds, each setting in a "
             f"fresh process. Loaded: a second 2-thread decode job (libgomp defaults) runs beside it. Median load "
             f"average: quiet {r['load_average']['quiet']:.1f}, loaded {r['load_average']['loaded']:.1f}.", "",
-            "| setting | quiet tokens/s | loaded tokens/s | quiet vs libgomp default | loaded vs own quiet | "
+            *table(r, "tokens/s", "quiet vs libgomp default", lambda rate: f"{rate:.2f}")]
+    return rows
+
+
+def table(r: dict, unit: str, quiet_ratio: str, figure) -> list[str]:
+    """The markdown table of a `summary`: each setting's two medians (`figure` formats one)
+    and its three ratios."""
+    rows = [f"| setting | quiet {unit} | loaded {unit} | {quiet_ratio} | loaded vs own quiet | "
             "loaded vs default quiet |", "|---|---|---|---|---|---|"]
     for n in r["settings"]:
-        rows.append(f"| {n} | {r['median'][f'{n}|quiet']:.2f} | {r['median'][f'{n}|loaded']:.2f} | "
+        rows.append(f"| {n} | {figure(r['median'][f'{n}|quiet'])} | {figure(r['median'][f'{n}|loaded'])} | "
                     f"{r['quiet_vs_default'][n]:.2f}x | {r['loaded_vs_quiet'][n]:.2f}x | "
                     f"{r['loaded_vs_default_quiet'][n]:.2f}x |")
     return rows

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .threads import _OMP_KEYS, _source, quiet_and_loaded, summary
+from .threads import _OMP_KEYS, _source, quiet_and_loaded, summary, table
 
 TITLE = "Training under CPU contention: workers, threads and OpenMP wait policy (tiny model)"
 # (name, environment, --nproc). The first is llmsplit's default on a 2-core CPU (a worker per
@@ -71,10 +71,5 @@ def to_markdown(r: dict) -> list[str]:
             f"the first {SKIP_STEPS}; median of {r['rounds']} alternating rounds, each setting a fresh run. Loaded: "
             f"a 2-thread decode job (libgomp defaults) runs beside it. Speeds are 1 / step time. Median load "
             f"average: quiet {r['load_average']['quiet']:.1f}, loaded {r['load_average']['loaded']:.1f}.", "",
-            "| setting | quiet ms/step | loaded ms/step | quiet speed vs default | loaded vs own quiet | "
-            "loaded vs default quiet |", "|---|---|---|---|---|---|"]
-    for n in r["settings"]:
-        rows.append(f"| {n} | {r['median'][f'{n}|quiet'] * 1e3:.0f} | "
-                    f"{r['median'][f'{n}|loaded'] * 1e3:.0f} | {r['quiet_vs_default'][n]:.2f}x | "
-                    f"{r['loaded_vs_quiet'][n]:.2f}x | {r['loaded_vs_default_quiet'][n]:.2f}x |")
+            *table(r, "ms/step", "quiet speed vs default", lambda step_s: f"{step_s * 1e3:.0f}")]
     return rows
