@@ -16,7 +16,7 @@ from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 from llmsplit.infer.kv_cache import PackedStep  # noqa: E402
-from llmsplit.infer.scheduler import QueueFull, Request, Scheduler  # noqa: E402
+from llmsplit.infer.scheduler import QueueFull, Request, Scheduler, ShuttingDown  # noqa: E402
 from llmsplit.io.tokenizer import ByteTokenizer, read_chat_template  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -120,7 +120,7 @@ def test_stop_fails_what_is_in_flight_and_frees_it(model):
     sched.stop()
     assert got == [("error", "the server is shutting down")]
     assert model.engine.pool.free_blocks == model.engine.pool.num_blocks and not model.engine.busy
-    with pytest.raises(QueueFull):
+    with pytest.raises(ShuttingDown):
         sched.submit([[1]], SamplingParams(2), got.append)
 
 
@@ -134,7 +134,7 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest_at_the_deadline(mo
     short = sched.submit([prompt], SamplingParams(2, ignore_eos=True), got.append).seqs[0]
     sched.submit([prompt], SamplingParams(60, ignore_eos=True), got.append)
     sched.drain(0.3)
-    with pytest.raises(QueueFull, match="shutting down"):
+    with pytest.raises(ShuttingDown, match="shutting down"):
         sched.submit([prompt], SamplingParams(2), got.append)
     deadline = time.monotonic() + 30
     while sched.stats()["in_flight"] and time.monotonic() < deadline:
@@ -225,7 +225,7 @@ def test_the_time_limit_stops_a_python_loop_in_its_thread():
     asyncio.run(main())
 
 
-def test_an_unexpected_error_is_a_500_counted_in_metrics(model, monkeypatch):
+def test_an_unexpected_error_is_a_500_counted_in_metrics_and_draining_is_a_503(model, monkeypatch):
     from starlette.testclient import TestClient
 
     from llmsplit.infer.server import Server
@@ -234,12 +234,18 @@ def test_an_unexpected_error_is_a_500_counted_in_metrics(model, monkeypatch):
         raise RuntimeError("tokenizer broke")
 
     monkeypatch.setattr(model.engine.tokenizer, "encode", broken)
-    with TestClient(Server(model, "llama").app) as c:
+    server = Server(model, "llama")
+    with TestClient(server.app) as c:
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "tokenizer broke" in r.json()["error"]["message"]
         assert 'llmsplit_http_responses_total{status="500"} 1.0\n' in c.get("/metrics").text
         assert c.get("/health").json()["status"] == "ok"
+        # A request that reaches a draining server (SIGTERM) is told to go elsewhere, not that it is busy.
+        server.scheduler.drain(30)
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert int(r.headers["Retry-After"]) >= 1
 
 
 @pytest.mark.parametrize("flags,warned", [(["--host", "0.0.0.0"], True), (["--host", "::"], True),

@@ -34,6 +34,11 @@ class QueueFull(RuntimeError):
     """More requests than the batch and the wait queue hold; the client should retry later."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server is draining (SIGTERM): it takes no new request; the client should go to
+    another replica, or retry once this one has restarted."""
+
+
 @dataclass(eq=False)
 class Request:
     """A submitted request: its sequences (read their tokens and text once they finish)."""
@@ -71,11 +76,11 @@ class Scheduler:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, sink: Callable[[tuple], None],
                stream: bool = False) -> Request:
-        """Accept a request's prompts or raise QueueFull; a request that could never fit
-        raises ConfigError. With `stream`, text reaches the sink as it becomes final."""
+        """Accept a request's prompts or raise QueueFull (ShuttingDown while draining); a
+        request that could never fit raises ConfigError. With `stream`, text reaches the sink as it becomes final."""
         with self._cond:
             if self._stopping or self._draining:
-                raise QueueFull(SHUTTING_DOWN)
+                raise ShuttingDown(SHUTTING_DOWN)
             seqs = [self._engine.new_sequence(p, params) for p in prompts]
             for seq in seqs:
                 self._engine.check(seq)

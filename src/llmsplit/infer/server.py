@@ -39,7 +39,7 @@ from .grammar import Grammars
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .replies import Reply, forced_call_schema
-from .scheduler import QueueFull, Request as Work, Scheduler
+from .scheduler import QueueFull, Request as Work, Scheduler, ShuttingDown
 from .time_limit import OffLoop, TimeLimitExceeded
 
 RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
@@ -293,6 +293,10 @@ _ERRORS = {
     TemplateError: lambda e: APIError(400, str(e), "messages"),
     QueueFull: lambda e: APIError(429, f"the server is busy ({e}); retry after {RETRY_AFTER_S} s", code="queue_full",
                                   type="rate_limit_error", headers={"Retry-After": RETRY_AFTER_S}),
+    # Not a 429: the server is not busy but going away; 503 is what load balancers and clients retry elsewhere.
+    ShuttingDown: lambda e: APIError(503, f"{e}; retry after {RETRY_AFTER_S} s (another replica, or this one "
+                                     f"once restarted)", code="shutting_down", type="server_error",
+                                     headers={"Retry-After": RETRY_AFTER_S}),
     StarletteHTTPException: lambda e: APIError(e.status_code, str(e.detail),
                                                type="invalid_request_error" if e.status_code < 500 else "server_error"),
 }  # any other exception is a 500, answered (and counted) by edge.Gate
