@@ -174,6 +174,11 @@ def test_chat_template_from_gguf_metadata(folder, tmp_path):
     tok = gguf_tokenizer(lambda key, default=None: meta.get(key, default), tmp_path / "m.gguf")
     ids, _ = chat_prompt([{"role": "user", "content": "Hi"}], tok)
     assert ids == [0, *tok.encode("[Hi]")[1:]]  # one BOS, not the template's plus the tokenizer's
+    from llmsplit.io.tokenizer import load_tokenizer, save_tokenizer_files
+
+    save_tokenizer_files(tok, tmp_path / "copy")  # a run's copy encodes as the GGUF file does
+    copy = load_tokenizer(str(tmp_path / "copy"))
+    assert copy.add_bos and copy.encode("Hi") == tok.encode("Hi") and copy.encode("Hi")[0] == 0
 
 
 def test_default_chat_template_and_template_errors():

@@ -173,7 +173,7 @@ def save_tokenizer_files(tok: HFTokenizer, dest: str | Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     tok._tok.save(str(dest / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.token_text(tok.eos_id) or None,
-              "bos_token": tok.token_text(tok.bos_id) or None}
+              "bos_token": tok.token_text(tok.bos_id) or None, "add_bos_token": tok.add_bos}
     if tok.chat_template:
         config["chat_template"] = tok.chat_template
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -197,6 +197,10 @@ def _use_tokenizer_config(tok: HFTokenizer, folder: Path) -> None:
         i = tok._tok.token_to_id(token) if isinstance(token, str) else None
         if i is not None:
             setattr(tok, attr, i)
+    # transformers' key for "prepend BOS"; a run's copy of a GGUF tokenizer carries the file's
+    # tokenizer.ggml.add_bos_token here, so the copy encodes as the file does.
+    if isinstance(config.get("add_bos_token"), bool):
+        tok.add_bos = config["add_bos_token"]
     tok.chat_template = read_chat_template(folder)
 
 
