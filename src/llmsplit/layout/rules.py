@@ -143,8 +143,6 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
         if bad:
             raise ConfigError(f"parallel.ep={ep} does not combine with {name}={value!r} yet; set {fix} or "
                               f"parallel.ep=1")
-    if layout.tp > 1:
-        raise ConfigError(f"parallel.ep={ep} does not combine with parallel.tp={layout.tp} yet; set parallel.tp=1")
     if model is None:
         return
     if not model.n_experts:
@@ -194,10 +192,12 @@ def _check_batches(layout: Layout, work: Workload) -> None:
 def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | None) -> None:
     tp, kv, training = layout.tp, model.n_kv_heads, work is None or work.mode == "train"
     flag = _name("tp", work)
-    if model.n_experts and tp > 1:
-        other = _name("pp", work) if not training else "parallel.pp or data parallel (parallel.dp, zero)"
+    if model.n_experts and tp > 1 and (not training or layout.ep == 1):
+        # Training splits attention over tp and the experts over ep (parallel/tensor_parallel.py).
+        fix = "parallel.ep > 1 beside parallel.tp (experts split over data-parallel ranks)" if training else \
+            f"{_name('pp', work)} with tp 1"
         raise ConfigError(f"{_say('tp', tp, work)} does not split mixture-of-experts layers (model.n_experts="
-                          f"{model.n_experts}) yet; use {other} with tp 1")
+                          f"{model.n_experts}) by itself; use {fix}")
     if model.n_heads % tp:
         raise ConfigError(f"{_say('tp', tp, work)} does not divide model.n_heads={model.n_heads}; use {flag} in "
                           f"{', '.join(map(str, divisors(model.n_heads)))}")

@@ -76,9 +76,17 @@ class ParallelModel:
         with (nullcontext() if last else no_grad_sync(self.module)), self.loss_context():
             yield
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of the (fp16: scaled) loss; returns the loss's value as a plain tensor."""
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, loss: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Backward of the (fp16: scaled) loss, plus `extra` (a MoE load-balancing term, the same
+        on every tp rank) where given; returns the loss's value as a plain tensor."""
+        total = loss
+        if extra is not None:
+            if hasattr(loss, "device_mesh"):  # loss_parallel's loss is a replicated DTensor
+                from torch.distributed.tensor import DTensor, Replicate
+
+                extra = DTensor.from_local(extra, loss.device_mesh, [Replicate()], run_check=False)
+            total = loss + extra
+        (self.scaler.scale(total) if self.scaler else total).backward()
         return full_tensor(loss.detach())
 
     def build_schedule(self, n_microbatches: int, loss_fn: Callable) -> None:

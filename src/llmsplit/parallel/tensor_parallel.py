@@ -6,6 +6,14 @@ vocabulary so the loss is computed on the shards (`loss_parallel`). With sequenc
 parallel the residual stream and the norms are split along the sequence between the
 TP regions (all-gather in, reduce-scatter out), which divides activation memory by tp.
 
+A mixture-of-experts layer (models/moe.py) runs whole on every tp rank, on the whole
+sequence: its input is gathered from the sequence shards, its router is replicated, its
+shared experts are split like a dense MLP, and its routed experts are expert parallel's
+(parallel.ep, split over data-parallel ranks of the same tp rank, which see other tokens);
+the output is cut back to this rank's sequence shard. Splitting each expert over tp as
+well would need a second all-reduce per layer on top of ep's all-to-all; Megatron-Core
+and torchtitan also keep experts out of attention's tp split ("expert tensor parallel" 1).
+
 Grouped-query attention with fewer key/value heads than tp ranks (tp a multiple of
 n_kv_heads) replicates the kv heads, as Megatron-Core and vLLM do: see `KVHeadReplicate`.
 """
@@ -18,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -132,8 +141,24 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             "attention.wv": kv_style,
             "attention.wo": RowwiseParallel(output_layouts=residual),
             "ffn_norm": norm_style,
-            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+            **(_moe_plan(cfg, residual) if cfg.n_experts else _mlp_plan("feed_forward", residual)),
         })
+
+
+def _mlp_plan(name: str, residual) -> dict[str, ParallelStyle]:
+    """A SwiGLU MLP: gate and up column-parallel, down row-parallel."""
+    return {name: PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+            f"{name}.w1": ColwiseParallel(),
+            f"{name}.w3": ColwiseParallel(),
+            f"{name}.w2": RowwiseParallel(output_layouts=residual)}
+
+
+def _moe_plan(cfg, residual) -> dict[str, ParallelStyle]:
+    """A MoE layer whole on the gathered sequence (module docstring); plain tensors inside."""
+    plan = {"feed_forward": PrepareModuleInputOutput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                                     use_local_input=True, output_layouts=(Replicate(),),
+                                                     desired_output_layouts=(residual,)),
+            "feed_forward.router": ReplicateParallel()}
+    if cfg.n_shared_experts:  # summed with the routed output before the layer's output
+        plan.update(_mlp_plan("feed_forward.shared", Replicate()))
+    return plan

@@ -58,12 +58,13 @@ class Breakdown:
 
 def layer_params(cfg: LlamaConfig, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one decoder layer on one tensor-parallel (or expert-parallel) rank (norms
-    are replicated; ep keeps 1/ep of the routed experts)."""
-    norms, kv = 2 * cfg.dim, cfg.kv_params()
-    q_o_mlp = cfg.layer_params() - kv - norms - (routed_expert_params(cfg) - expert_params_per_rank(cfg, ep))
+    are replicated; ep keeps 1/ep of the routed experts, whole on every tp rank, beside the
+    replicated router: parallel/tensor_parallel.py)."""
+    norms, kv, router = 2 * cfg.dim, cfg.kv_params(), cfg.dim * cfg.n_experts
+    q_o_mlp = cfg.layer_params() - kv - norms - routed_expert_params(cfg) - router
     # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
     kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
-    return q_o_mlp // tp + kv_share + norms
+    return q_o_mlp // tp + kv_share + norms + router + expert_params_per_rank(cfg, ep)
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:

@@ -52,21 +52,22 @@ class ExpertStats:
         aux, self.aux = self.aux, []
         return torch.stack(aux).sum() if aux else None
 
-    def step_record(self, dp: int) -> dict:
+    def step_record(self, dp: int, tp: int = 1) -> dict:
         """{"tokens_per_expert": [[...] per layer]} of the step, summed over every rank (each
-        layer is held by one pipeline stage of each replica; tensor parallel is refused for MoE),
-        and "moe_aux_loss", the global mean of the weighted load-balancing loss where it trains
-        (train.moe_aux_loss > 0, refused with pipeline stages); then reset. A collective: every
-        rank calls it."""
+        layer is held by one pipeline stage of each replica; the tp ranks of a replica all route
+        its tokens, so that sum is divided by tp), and "moe_aux_loss", the global mean of the
+        weighted load-balancing loss where it trains (train.moe_aux_loss > 0, refused with
+        pipeline stages); then reset. A collective: every rank calls it."""
         if not self.active:
             return {}
         dist.all_reduce(self.counts)
+        self.counts //= tp
         record = {"tokens_per_expert": self.counts.tolist()}
         if self.bias_rate:
             self._balance()
         if self.aux_sum.item():
             dist.all_reduce(self.aux_sum)
-            record["moe_aux_loss"] = self.aux_sum.item() / dp
+            record["moe_aux_loss"] = self.aux_sum.item() / (dp * tp)
         self.counts.zero_()
         self.aux_sum.zero_()
         self.aux = []

@@ -192,8 +192,7 @@ class Trainer:
                     continue
                 # The mean over the rank's micro-batches, which data parallel then averages like the
                 # loss; logged apart, so "loss" stays the cross-entropy every layout logs alike.
-                pm.backward(loss + coef * aux / n_micro)
-                loss_sum += loss.detach()
+                loss_sum += pm.backward(loss, coef * aux / n_micro)
                 self.experts.aux_sum += aux.detach() / n_micro
         return loss_sum
 
@@ -217,7 +216,7 @@ class Trainer:
         step_time = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_time, "step_time_s": step_time,
-                **self.experts.step_record(self.dp_size)}
+                **self.experts.step_record(self.dp_size, cfg.parallel.tp)}
 
     def train(self) -> dict | None:
         """The run from its first step to the last; rank 0 returns the summary."""
