@@ -227,6 +227,8 @@ def _add_plan(sub) -> argparse.ArgumentParser:
     p.add_argument("--mode", default="train", choices=("train", "infer"), help="plan training or inference "
                    "(default %(default)s)")
     p.add_argument("--precision", metavar="fp32|bf16|fp16", help="default: bf16 on GPUs, fp32 on cpu, or the config's")
+    p.add_argument("--quantize", default="none", metavar="int8|int4|none", help="infer: count the weights packed "
+                   "as generate --quantize holds them, group scales included (default %(default)s)")
     p.add_argument("--layout", metavar="KEY=VAL,...", help="evaluate only this layout, e.g. zero=3,tp=2,pp=1 "
                    "(default: every layout)")
     p.add_argument("--top", type=COUNT, default=5, metavar="K", help="layouts to show (default %(default)s)")

@@ -83,6 +83,7 @@ class Workload:
     lora_rank: int = 0  # train with LoRA adapters of this rank (0: every parameter trains)
     lora_targets: str = "q,k,v,o,gate,up,down"
     lora_base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA)
+    quantize: str = "none"  # infer: "int8" | "int4" weights kept packed (llmsplit.quant)
 
     @property
     def compute_bytes(self) -> int:

@@ -13,7 +13,9 @@ from ..config import (Config, ConfigError, layout_of, load_config, model_config,
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
+from ..quant.sizes import MODES
 from .experts import expert_params_per_rank
+from .states import packed_split_problem
 from .hardware import Device, get_device
 from ..layout import (PRECISIONS, Layout, Workload, check, check_model, parse_layout, rank_layer_counts,
                       stage_layers)
@@ -53,7 +55,7 @@ def _hf_folder_config(folder) -> LlamaConfig:
 
 def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | None = None,
                 seq_len: int | None = None, global_batch: int | None = None, mode: str = "train",
-                layout: str | Layout | None = None, top: int = 5, precision: str | None = None,
+                layout: str | Layout | None = None, top: int = 5, precision: str | None = None, quantize: str = "none",
                 tokenizer_vocab: int | None = None, cpu_measured: dict | None = None, sets: tuple[str, ...] = ()) -> dict:
     """Everything `llmsplit plan` prints, as one JSON-ready dict (best layout first).
     `gpu="cpu"` needs `cpu_measured`, the machine's numbers (`diagnose.probe.measure_cpu()`)."""
@@ -76,6 +78,10 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
     device = replace(device, gpus_per_node=per_node) if device.kind != "cpu" else device
     work = _workload(cfg_model, source, gpus, device, seq_len, global_batch, mode, precision,
                      from_file=str(model).endswith(".toml"))
+    work = replace(work, quantize=_quantize(quantize, mode))
+    problem = packed_split_problem(cfg_model, 1, work.quantize)  # else every layout would be left out
+    if problem:
+        raise ConfigError(problem)
     fixed = _fixed_layout(layout, gpus)
     result = search(cfg_model, work, gpus, device, fixed)
     cands = result["candidates"]
@@ -87,7 +93,7 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
                      **{k: v for k, v in device.to_dict().items() if k not in ("name", "gpus_per_node")}},
         "workload": {"mode": work.mode, "seq_len": work.seq_len, "global_batch": work.global_batch,
                      "precision": work.precision, "lora_rank": work.lora_rank, "lora_targets": work.lora_targets,
-                     "lora_base": work.lora_base},
+                     "lora_base": work.lora_base, "quantize": work.quantize},
         "considered": len(cands), "fitting": sum(c.fits for c in cands),
         "advice": result["advice"],
         "layouts": [_entry(cfg_model, c) for c in shown],
@@ -135,6 +141,15 @@ def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device
     lora = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base}
             if source and mode == "train" else {})
     return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **lora)
+
+
+def _quantize(mode: str, run_mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"--quantize {mode!r} is not one of: {', '.join(MODES)}")
+    if mode != "none" and run_mode != "infer":
+        raise ConfigError(f"--quantize {mode} plans inference (--mode infer); a quantized base for training is "
+                          f"--set lora.base=nf4|int8")
+    return mode
 
 
 def _fixed_layout(layout, gpus: int) -> Layout | None:

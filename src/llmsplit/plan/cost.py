@@ -14,7 +14,7 @@ from ..models.llama import LlamaConfig
 from .experts import all_to_all_bytes_per_step, all_to_all_calls_per_step
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
-from .memory import FP32, compute_pattern, layer_activation_bytes, layer_params, stage_params
+from .memory import FP32, compute_pattern, inference_weight_bytes, layer_activation_bytes, layer_params, stage_params
 
 # Collectives reach about this fraction of link bandwidth (NCCL bus bandwidth vs wire speed).
 LINK_EFFICIENCY = 0.8
@@ -159,7 +159,8 @@ def inference_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
     c = work.compute_bytes
     t, p = layout.tp, layout.pp
     stage = stage_params(cfg, layout, 0)
-    weights = c * (stage["layers"] + stage["head"] + stage["final_norm"])  # the embedding is a lookup
+    weights = inference_weight_bytes(cfg, {**stage, "embedding": 0}, layer_params(cfg, t, layout.ep), t, c,
+                                     work.quantize)  # the embedding is a lookup
     layers = max(rank_layer_counts(cfg, layout))
     kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * work.global_batch * work.seq_len
     read_s = (weights + kv) / device.mem_bw

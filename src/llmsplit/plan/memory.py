@@ -24,7 +24,7 @@ from ..models.llama import LlamaConfig
 from .experts import dispatch_buffer_bytes, expert_params_per_rank, routed_expert_params
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
-from .states import FP32, model_state_bytes, quantized_base_params, stored_bytes, zero_paper_bytes  # noqa: F401
+from .states import FP32, inference_weight_bytes, model_state_bytes, quantized_base_params, stored_bytes, zero_paper_bytes  # noqa: F401
 
 NVME_GROUP_BYTES = 64 << 20  # NvmeAdamW's default group_bytes
 # glibc's M_MMAP_THRESHOLD in llmsplit's CPU workers (launch.py fixes it at 4 MiB): smaller
@@ -348,14 +348,14 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
 
 
 def inference_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:
-    """Weights in the compute dtype + KV cache for `global_batch` sequences of `seq_len`
+    """Weights in the compute dtype (or packed, `work.quantize`) + KV cache for `global_batch` sequences of `seq_len`
     tokens + the prefill workspace (one layer's intermediates and the prompt's logits)."""
     c = work.compute_bytes
     t = layout.tp
     stages = []
     for stage in range(layout.pp):
         sp_ = stage_params(cfg, layout, stage)
-        weights = c * (sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"])
+        weights = inference_weight_bytes(cfg, sp_, layer_params(cfg, t, layout.ep), t, c, work.quantize)
         layers = sp_["n_layers"]
         tokens = work.global_batch * work.seq_len
         kv = 2 * layers * (cfg.n_kv_heads // t) * cfg.head_dim * c * tokens

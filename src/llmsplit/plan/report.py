@@ -32,6 +32,7 @@ def format_report(report: dict) -> str:
              f"{hw['memory_bytes'] / GiB:.1f} GiB each",
              f"workload {w['mode']}: seq {w['seq_len']}, {'global batch' if w['mode'] == 'train' else 'sequences'} "
              f"{w['global_batch']}, {w['precision']}"
+             + (f", weights packed {w['quantize']}" if w.get("quantize", "none") != "none" else "")
              + (f", LoRA rank {w['lora_rank']} on {w['lora_targets']}"
                 + (f" over a {w['lora_base']} base" if w.get("lora_base", "none") != "none" else "")
                 + " (gradients and optimizer state: the adapters; step time still full training's)"

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from .formats import Groups
+from .sizes import ROW_ALIGN
 
 KERNEL_MAX_ROWS = 32
-ROW_ALIGN = 64  # the CPU int4 layout works in blocks of 64 (avx512) or 32 output rows
 
 
 @functools.cache
