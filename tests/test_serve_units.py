@@ -378,9 +378,9 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
     e, forwards = m.engine, []
     forward = e.runner.forward
 
-    def counted(tokens, step, last_only):
+    def counted(tokens, step, last_only, **kw):
         forwards.append((tokens.shape[1], len(step.parts) if isinstance(step, PackedStep) else 0))
-        return forward(tokens, step, last_only)
+        return forward(tokens, step, last_only, **kw)
 
     monkeypatch.setattr(e.runner, "forward", counted)
     prompts = [[3 + (i * 7 + j * 5) % 300 for j in range(n)] for i, n in enumerate((5, 40, 90, 17, 33, 120))]

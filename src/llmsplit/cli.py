@@ -180,6 +180,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _lora_runs(pairs: list[str]) -> dict[str, str]:
+    """serve --lora NAME=RUN (repeatable) as {name: run}."""
+    runs = {}
+    for pair in pairs:
+        name, _, run = pair.partition("=")
+        if not (name.strip() and run) or name in runs:
+            raise ConfigError(f"--lora {pair!r}: write NAME=RUN (a name clients send as \"model\", then a LoRA run "
+                              f"or checkpoint), each NAME once")
+        runs[name.strip()] = run
+    return runs
+
+
 def cmd_serve(args) -> int:
     from .diagnose.oom import infer_failure, infer_oom_errors
     from .infer.placement import parse_size
@@ -198,7 +210,8 @@ def cmd_serve(args) -> int:
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
               drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
               kv_tokens=args.kv_tokens, prefix_caching=args.prefix_caching,
-              max_num_batched_tokens=args.max_num_batched_tokens, **_placement_kwargs(args))
+              max_num_batched_tokens=args.max_num_batched_tokens, lora=_lora_runs(args.lora),
+              **_placement_kwargs(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:

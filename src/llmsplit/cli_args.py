@@ -145,6 +145,10 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="tokens one step computes at most, the batch's decodes first and then chunks of the "
                         "prompts being filled, so that a long prompt never stalls the streams already running "
                         "(default: no limit, each prompt in one go)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN",
+                   help="serve a LoRA run's adapters over --model as the model NAME (repeatable): a request's "
+                        "\"model\" picks an adapter or the base, and requests for all of them are batched together "
+                        "(default none: the base alone)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (default: prompts that start alike share the KV blocks of "
                         "their common start)")

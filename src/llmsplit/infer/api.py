@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from ..config import ConfigError
-from ..io.weights import open_weights, packed_unit_bytes
+from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from .distributed import SplitRunner, split_layout, split_spec
 from .engine import Engine, SamplingParams
 from .placement import MODES, Placement, Sizes, detect_budgets, place
@@ -21,8 +21,10 @@ from .runner import PieceSpec, Runner
 class LoadedModel:
     """What `llmsplit.load` returns: `generate`, `logits`, `tokenizer`, `device_map`."""
 
-    def __init__(self, engine: Engine, runner, placement: Placement | None, device_map: dict[str, str], config):
+    def __init__(self, engine: Engine, runner, placement: Placement | None, device_map: dict[str, str], config,
+                 adapters: list[str] = ()):
         self.engine = engine
+        self.adapters = list(adapters)  # the LoRA adapters served over the model: adapter k is adapters[k - 1]
         self.runner = runner
         self.placement = placement
         self.device_map = device_map
@@ -106,9 +108,12 @@ def placement_mode(device_map):
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
          quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
-         max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None) -> LoadedModel:
+         max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None,
+         lora: dict[str, str] | None = None) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
+    `lora`: {name: LoRA run} adapters served over this base model together (`Sequence.adapter`
+    k runs with the k-th; `serve --lora NAME=RUN`).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
     "int4" quantizes the float weights as they load, "none" widens everything to `dtype`."""
     source = source if source is not None else open_weights(path, what="model path")
@@ -118,6 +123,9 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     max_context = sizes.context
     # The pool placement budgeted for: kv_tokens, or max_batch full contexts.
     num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-max_context // block_size)
+    if lora and (tp > 1 or pp > 1 or compile):  # (a compiled graph would not see the adapters' hooks)
+        raise ConfigError("--lora serves adapters over an eager model in one process in this version; drop "
+                          "--tp/--pp/--compile or --lora")
     if tp > 1 or pp > 1:
         layout = split_layout(cfg, tp, pp)
         if max_memory or offload_dir or device_map not in (None, "auto"):
@@ -137,6 +145,9 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                                           offload_dir=offload_dir, compile=compile, quantize=quantize,
                                           tune_threads=tune_threads))
         dmap = dict(placement.device_map)
+        if lora:
+            adapters = [run_adapters(run, f"--lora {name}") for name, run in lora.items()]
+            runner.serve_adapters(list(lora), [a for a, _ in adapters], [scale for _, scale in adapters])
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
         raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} is less than max_batch {max_batch}: a "
@@ -145,7 +156,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                     max_num_batched_tokens)
     if compile:
         _compile_decode_graphs(engine, max_batch)
-    return LoadedModel(engine, runner, placement, dmap, cfg)
+    return LoadedModel(engine, runner, placement, dmap, cfg, adapters=list(lora or {}))
 
 
 def _quantize_mode(quantize, compile: bool) -> str:

@@ -149,7 +149,8 @@ class SplitRunner:
             raise
         self.cfg = self.runner.cfg
 
-    def forward(self, tokens: torch.Tensor, step, last_only: bool) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, step, last_only: bool, adapters=None) -> torch.Tensor:
+        assert adapters is None  # Runner.serve_adapters: LoRA serving runs in one process
         dist.broadcast_object_list([(tokens, step, last_only)], src=0)
         return _step(self.runner, self.mesh, tokens, step, last_only)
 

@@ -68,6 +68,7 @@ class Sequence:
     filling: list[int] | None = None  # the context its cache is being filled with (None: filled)
     filled: int = 0  # tokens of `filling` in the cache so far
     matcher: object = None  # where its grammar stands (structured output), else None
+    adapter: int = 0  # the served LoRA adapter it runs with (Runner.serve_adapters), 0: the base
 
     @property
     def length(self) -> int:
@@ -146,17 +147,21 @@ class Engine:
         for s in decoding:
             self.pool.append(s.id, 1)
         decode = self.pool.step([s.id for s in decoding], 1) if decoding else None
+        # The adapter of every token, in the row order of the forward (None: all on the base).
+        adapters = [s.adapter for s in decoding] + [seq.adapter for seq, _, n in chunks for _ in range(n)]
+        adapters = torch.tensor(adapters) if any(adapters) else None
         if not chunks:  # decodes alone: the shape a compiled decode graph takes
             tokens = torch.tensor([[s.tokens[-1]] for s in decoding])
-            return self.runner.forward(tokens, decode, last_only=True)[:, -1].float()
+            return self.runner.forward(tokens, decode, last_only=True, adapters=adapters)[:, -1].float()
         parts = [decode] if decoding else []
         tokens = [s.tokens[-1] for s in decoding]
         for seq, start, n in chunks:
             parts.append(self.pool.chunk(seq.id, start, n))
             tokens += seq.filling[start:start + n]
-        return self.runner.forward(torch.tensor([tokens]), PackedStep.pack(parts), last_only=True)[0].float()
+        return self.runner.forward(torch.tensor([tokens]), PackedStep.pack(parts), last_only=True,
+                                   adapters=adapters)[0].float()
 
-    def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt: list[int], params: SamplingParams, adapter: int = 0) -> Sequence:
         if not prompt:
             raise ConfigError("the prompt is empty; pass some text or token ids")
         if len(prompt) >= self.max_context:
@@ -166,7 +171,7 @@ class Engine:
         gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         self._next_id += 1
         return Sequence(self._next_id, list(prompt), params, gen, detok=self.tokenizer.stream(),
-                        matcher=params.grammar.matcher() if params.grammar is not None else None)
+                        matcher=params.grammar.matcher() if params.grammar is not None else None, adapter=adapter)
 
     def check(self, seq: Sequence) -> None:
         """Refuse a sequence whose worst case could never fit in the pool (it would wait forever)."""
@@ -250,7 +255,8 @@ class Engine:
                 self.recomputed_tokens += len(seq.filling)
             else:
                 self.prompt_tokens += len(seq.prompt)
-            seq.filled = self.pool.match_prefix(seq.id, seq.filling)
+            # Another adapter computes other keys from the same tokens: prefixes are shared per adapter.
+            seq.filled = self.pool.match_prefix(seq.id, seq.filling, namespace=seq.adapter)
             self.pool.append(seq.id, len(seq.filling) - seq.filled)
 
     def _make_room(self) -> list[Sequence]:

@@ -43,6 +43,7 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self._roots: dict[int, bytes] = {}  # sequence -> where its chain of block hashes starts
         self.hit_tokens = 0  # prompt tokens found cached, and looked up: the hit rate in /metrics
         self.query_tokens = 0
 
@@ -53,11 +54,14 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+    def match_prefix(self, seq_id: int, tokens: list[int], namespace: int = 0) -> int:
         """Give a new sequence the cached blocks its `tokens` start with; returns how many
-        tokens they hold. The last token is always left to compute (its logits are needed)."""
+        tokens they hold. The last token is always left to compute (its logits are needed).
+        Blocks are shared within one `namespace` only (the LoRA adapter a sequence runs with:
+        the same tokens give other keys under other weights); its chain of hashes starts there."""
         assert seq_id not in self.tables
-        table, parent = self.tables.setdefault(seq_id, []), b""
+        parent = self._roots[seq_id] = namespace.to_bytes(8, "little") if namespace else b""
+        table = self.tables.setdefault(seq_id, [])
         self.query_tokens += len(tokens)
         if self.prefix_caching:
             for i in range((len(tokens) - 1) // self.block_size):
@@ -76,7 +80,7 @@ class BlockPool:
         """Make the full blocks of `seq_id`, whose cache now holds `tokens`, findable."""
         if not self.prefix_caching:
             return
-        parent = b""
+        parent = self._roots.get(seq_id, b"")
         for i, block in enumerate(self.tables[seq_id][:len(tokens) // self.block_size]):
             parent = self._hash(parent, tokens, i)
             if block not in self._hash_of and parent not in self._by_hash:
@@ -101,6 +105,7 @@ class BlockPool:
                 else:
                     self._free.append(block)
         self.lengths.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     def _take(self) -> int:
         if self._free:

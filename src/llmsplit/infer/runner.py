@@ -158,6 +158,23 @@ class Runner:
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
         self._decode = self._compiled_decode() if spec.compile else None
+        self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
+
+    def serve_adapters(self, names: list[str], adapters: list[dict], scales: list[float]) -> None:
+        """Serve LoRA adapters over this model, each applied to the rows of the sequences that
+        ask for it (adapters/bank.py). The adapted layers run their projections one by one
+        again (not fused), so that each projection's hook sees its own output."""
+        from ..adapters.bank import AdapterBank
+
+        assert self._decode is None  # api.load refuses --lora with --compile: a graph would not see the hooks
+        bank = AdapterBank(names)
+        bank.attach(self.model, adapters, scales, self.devices, self.spec.dtype)
+        for i in bank.adapted:
+            layer = self.model.layers[i]
+            layer.attention.qkv = None
+            if getattr(layer.feed_forward, "gate_up", None) is not None:
+                layer.feed_forward.gate_up = None
+        self.bank = bank
 
     def _compiled_decode(self):
         """The model's forward compiled for decode steps (one new token per sequence). Each
@@ -213,10 +230,14 @@ class Runner:
                     lambda m, args, d=dev: (args[0].to(d), *args[1:]))
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, step: Step | None, last_only: bool) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, step: Step | None, last_only: bool,
+                adapters: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [b, s] (or hidden states [b, s, dim] for a later pipeline stage) through this
-        piece; with a step, through the KV cache as well."""
+        piece; with a step, through the KV cache as well. `adapters` [b * s]: the served LoRA
+        adapter of each token (0: the base; `serve_adapters`), None: all on the base."""
         self.cache.set_step(step)
+        if self.bank is not None:
+            self.bank.set_rows(adapters)
         x = tokens.to(self.input_device)
         if step is None:
             return self.model(x, last_only=last_only)

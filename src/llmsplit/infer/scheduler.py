@@ -75,13 +75,14 @@ class Scheduler:
     # ------------------------------------------------------------ the interface (any thread)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, sink: Callable[[tuple], None],
-               stream: bool = False) -> Request:
+               stream: bool = False, adapter: int = 0) -> Request:
         """Accept a request's prompts or raise QueueFull (ShuttingDown while draining); a
-        request that could never fit raises ConfigError. With `stream`, text reaches the sink as it becomes final."""
+        request that could never fit raises ConfigError. With `stream`, text reaches the sink as it becomes final.
+        `adapter`: the served LoRA adapter its sequences run with (0: the base model)."""
         with self._cond:
             if self._stopping or self._draining:
                 raise ShuttingDown(SHUTTING_DOWN)
-            seqs = [self._engine.new_sequence(p, params) for p in prompts]
+            seqs = [self._engine.new_sequence(p, params, adapter) for p in prompts]
             for seq in seqs:
                 self._engine.check(seq)
             if self._in_flight + len(seqs) > self.max_sequences:

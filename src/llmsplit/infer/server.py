@@ -71,6 +71,11 @@ class Server:
             raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body} and "
                               f"--request-timeout {request_timeout} positive")
         self.model, self.name, self.announce = model, name, announce
+        # The model field picks what answers: the base model's name, or a LoRA adapter's (serve --lora).
+        self.models = [name, *model.adapters]
+        if len(set(self.models)) < len(self.models):
+            raise ConfigError(f"--lora names {model.adapters} repeat a name or the base model's {name!r} "
+                              f"(--served-model-name); give each adapter its own name")
         self.tokenizer = model.tokenizer
         # A broken template fails the start, not every chat request.
         compile_template(self.tokenizer.chat_template or DEFAULT_TEMPLATE)
@@ -119,15 +124,14 @@ class Server:
         return Response(self.prometheus.render(), media_type=PROMETHEUS_TEXT)
 
     async def list_models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(m) for m in self.models]}
 
     async def get_model(self, model_id: str):
-        self._check_model(model_id)
-        return self._model_card()
+        return self._model_card(self.models[self._adapter(model_id)])
 
     async def completions(self, body: CompletionRequest, request: Request):
         body.refuse_unsupported()
-        self._check_model(body.model)
+        adapter = self._adapter(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         ids = await self._off_loop("prompt", "tokenizing the prompt", _encode_all, self.tokenizer, prompts)
@@ -139,11 +143,11 @@ class Server:
         check_fits([len(p) for p in ids], max_tokens, self.scheduler.max_context, self._most_sequences(), "prompt")
         params = self._params(body, max_tokens, body.stops())
         params.grammar = await self._grammar(body.response_format)
-        return await self._answer(request, ids, params, body, chat=False)
+        return await self._answer(request, ids, params, body, chat=False, adapter=adapter)
 
     async def chat(self, body: ChatRequest, request: Request):
         body.refuse_unsupported()
-        self._check_model(body.model)
+        adapter = self._adapter(body.model)
         tools, forced = body.tool_mode()
         functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
         if tools == "auto" and "tools" not in (self.tokenizer.chat_template or ""):
@@ -162,13 +166,14 @@ class Server:
             params.grammar = await self._grammar(None, forced_call_schema(functions, forced))
         else:
             params.grammar = await self._grammar(body.response_format)
-        return await self._answer(request, [ids], params, body, chat=True, tools=tools)
+        return await self._answer(request, [ids], params, body, chat=True, tools=tools, adapter=adapter)
 
     # ------------------------------------------------------------ helpers
 
-    def _model_card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "llmsplit",
+    def _model_card(self, model: str) -> dict:
+        card = {"id": model, "object": "model", "created": self.created, "owned_by": "llmsplit",
                 "max_model_len": self.scheduler.max_context}
+        return card if model == self.name else {**card, "parent": self.name}  # a LoRA adapter over the base
 
     async def _off_loop(self, param: str, what: str, fn, *args):
         try:
@@ -181,10 +186,14 @@ class Server:
     def _most_sequences(self) -> int:
         return self.scheduler.max_sequences
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r}", "model",
-                           code="model_not_found")
+    def _adapter(self, model: str | None) -> int:
+        """The adapter a request's model field asks for: 0 the base (also when not given), k the k-th --lora."""
+        if model is None or model == self.name:
+            return 0
+        if model not in self.models:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.models))}", "model", code="model_not_found")
+        return self.models.index(model)
 
     @staticmethod
     def _params(body, max_tokens: int, stops: list[str]) -> SamplingParams:
@@ -203,12 +212,12 @@ class Server:
                                     self.grammars.json, schema)
 
     async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool,
-                      tools: str | None = None):
+                      tools: str | None = None, adapter: int = 0):
         channel = _Channel(asyncio.get_running_loop())
         # With tools a streamed answer's text is held back until it ends: a call is parsed whole.
-        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools)
+        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools, adapter=adapter)
         seqs = work.seqs
-        reply = Reply(self.name, chat, seqs, tools)
+        reply = Reply(self.models[adapter], chat, seqs, tools)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(work, channel, reply, usage), media_type="text/event-stream",
@@ -339,7 +348,8 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
             where = sock.getsockname()
             url_host = f"[{where[0]}]" if ":" in where[0] else where[0]
             server = Server(model, name, max_queue, api_key, max_body,
-                            announce=f"llmsplit: serving {name!r} at http://{url_host}:{where[1]}/v1 "
+                            announce=f"llmsplit: serving {name!r}{_with_adapters(model.adapters)} at "
+                                     f"http://{url_host}:{where[1]}/v1 "
                                      f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=drain_timeout + DELIVERY_GRACE_S,
@@ -374,6 +384,10 @@ class _Uvicorn(uvicorn.Server):
 
 def _exit_cleanly(signum, frame):
     raise SystemExit(0)
+
+
+def _with_adapters(names: list[str]) -> str:
+    return f" with LoRA adapters {', '.join(map(repr, names))}" if names else ""
 
 
 def _default_name(model_path) -> str:

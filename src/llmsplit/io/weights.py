@@ -140,6 +140,22 @@ def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, qu
     return w
 
 
+def run_adapters(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], float]:
+    """The adapters of a LoRA run (its newest checkpoint, or the checkpoint given) and their
+    scale alpha / rank: what `serve --lora NAME=RUN` applies over the served base model."""
+    from . import dcp_files
+
+    try:
+        run_dir, ck = resolve_checkpoint(path)
+        cfg = read_run_config(run_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    if not cfg.lora.rank:
+        raise ConfigError(f"{what}: {str(path)!r} is a run without LoRA adapters (lora.rank = 0); serve it as --model")
+    saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(ck))
+    return read_adapters(cfg, ck, saved), cfg.lora.alpha / cfg.lora.rank
+
+
 def read_adapters(cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
     """The LoRA adapters of a LoRA run's checkpoint (name -> tensor, whole, on the CPU)."""
     from . import dcp_files
