@@ -74,6 +74,13 @@ def test_moe_configs_refused_in_one_sentence():
     with pytest.raises(ConfigError, match="use parallel.ep > 1 beside parallel.tp"):
         check(preset_config("tiny-moe"), Layout(tp=2, dp=2))
     check(preset_config("tiny-moe"), Layout(tp=2, dp=2, ep=2))
+    from llmsplit.layout import Workload
+
+    infer = Workload(seq_len=1, global_batch=1, mode="infer")
+    check(preset_config("tiny-moe"), Layout(tp=2), infer)  # inference splits each expert over tp
+    with pytest.raises(ConfigError, match=r"--tp 2 splits each expert's model.moe_ffn_dim=40 into 20 rows, not a "
+                                          r"multiple of 8 .*; use --tp in 1$"):
+        check(preset_config("tiny-moe", moe_ffn_dim=40), Layout(tp=2), infer)
     for layout, fragment in ((Layout(dp=4, ep=3), "parallel.ep=3 does not divide the 4 data-parallel ranks"),
                              (Layout(dp=6, ep=3), "parallel.ep=3 does not divide model.n_experts=4; use parallel.ep "
                                                   "in 1, 2"),
@@ -152,6 +159,25 @@ def test_moe_folders_match_transformers(family):
         torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
         want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
     assert greedy_tokens(m, ids[0].tolist()) == want.tolist()
+
+
+@pytest.mark.slow
+def test_moe_folders_under_tensor_parallel_match_transformers(family):
+    """--tp 2 splits each expert's hidden width like a dense MLP (infer/runner.py); Mixtral also
+    under tp 2 × pp 2 (4 workers). Logits and greedy tokens equal transformers'."""
+    arch, folder = family
+    layout = {"tp": 2, "pp": 2} if arch == "mixtral" else {"tp": 2}
+    ref, m = hf_model(folder), llmsplit.load(folder, **layout)
+    try:
+        piece = m.engine.runner.runner.model.layers["0"].feed_forward
+        assert piece.w1.shape == (4, m.config.moe_ffn_dim // 2, m.config.dim)  # rank 0's half of each expert
+        ids = torch.randint(2, m.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(m.logits(ids), ref(ids).logits, atol=1e-4, rtol=0)
+            want = ref.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 13:]
+        assert greedy_tokens(m, ids[0].tolist()) == want.tolist()
+    finally:
+        m.close()
 
 
 @pytest.mark.slow
@@ -247,3 +273,9 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     m = llmsplit.load(tmp_path / "ep2_pp2")
     got = torch.stack([m.runner.model.layers[str(i)].feed_forward.expert_bias for i in range(2)])
     assert want.abs().sum() > 0 and torch.allclose(got, want)
+    split = llmsplit.load(tmp_path / "ep2_pp2", tp=2)  # the shared expert split over tp, the biased router whole
+    try:
+        ids = torch.randint(0, 264, (2, 13), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(split.logits(ids), m.logits(ids), atol=1e-5, rtol=0)
+    finally:
+        split.close()

@@ -29,8 +29,15 @@ from .placement import Placement
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
 
 # Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
-_COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.")
-_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+_COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.",
+            "shared.w1.", "shared.w3.")
+_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
+# A MoE layer's stacked experts ([experts, out, in]): each expert split like a dense MLP (its
+# hidden width over the tp ranks), so every rank computes 1/tp of every routed token whatever
+# the routing, and the layer's routed and shared outputs are summed by one all-reduce, as a
+# dense MLP's. Keeping whole experts per rank instead would be expert parallel: tokens sent
+# between ranks (all-to-all) and ranks idle or overloaded as the router chooses.
+_EXPERTS = {"feed_forward.w1": 1, "feed_forward.w3": 1, "feed_forward.w2": 2}
 
 
 @dataclass
@@ -54,6 +61,9 @@ class PieceSpec:
 def tp_shard(name: str, rank: int, size: int):
     if size == 1:
         return None
+    expert = next((dim for suffix, dim in _EXPERTS.items() if name.endswith(suffix)), None)
+    if expert is not None:
+        return (expert, rank, size)
     if any(p in name for p in _COLWISE):
         return (0, rank, size)
     if name.endswith(_ROWWISE):
@@ -145,7 +155,8 @@ class Runner:
         if spec.tp_size > 1:
             for i in owned:
                 layer = model.layers[str(i)]
-                for m in (layer.attention.wo, layer.feed_forward.w2):
+                ff = layer.feed_forward  # a MoE layer's output sums its routed and shared experts
+                for m in (layer.attention.wo, ff.w2 if isinstance(ff.w2, nn.Linear) else ff):
                     m.register_forward_hook(self._all_reduce)
         self.model = model.eval()
         self.input_device = first

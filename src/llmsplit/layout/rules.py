@@ -126,7 +126,7 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
         return
     if work is not None and work.mode == "infer":
         raise ConfigError(f"parallel.ep={ep} is for training; inference splits a mixture-of-experts model with "
-                          f"--pp (tp and ep are not available for it yet)")
+                          f"--tp (each expert split over the ranks) or --pp")
     if layout.dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the {layout.dp} data-parallel ranks (parallel.dp); use "
                           f"parallel.ep in {', '.join(map(str, divisors(layout.dp)))}")
@@ -192,10 +192,10 @@ def _check_batches(layout: Layout, work: Workload) -> None:
 def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | None) -> None:
     tp, kv, training = layout.tp, model.n_kv_heads, work is None or work.mode == "train"
     flag = _name("tp", work)
-    if model.n_experts and tp > 1 and (not training or layout.ep == 1):
-        # Training splits attention over tp and the experts over ep (parallel/tensor_parallel.py).
-        fix = "parallel.ep > 1 beside parallel.tp (experts split over data-parallel ranks)" if training else \
-            f"{_name('pp', work)} with tp 1"
+    if model.n_experts and tp > 1 and training and layout.ep == 1:
+        # Training splits attention over tp and the experts over ep (parallel/tensor_parallel.py);
+        # inference splits each expert over tp (infer/runner.py).
+        fix = "parallel.ep > 1 beside parallel.tp (experts split over data-parallel ranks)"
         raise ConfigError(f"{_say('tp', tp, work)} does not split mixture-of-experts layers (model.n_experts="
                           f"{model.n_experts}) by itself; use {fix}")
     if model.n_heads % tp:
@@ -210,9 +210,20 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
         # Inference shards the KV cache by kv head and does not replicate them (yet).
         raise ConfigError(f"{_say('tp', tp, work)} does not divide model.n_kv_heads={kv} (inference shards the "
                           f"key/value heads); use {flag} in {', '.join(map(str, divisors(kv)))}")
-    if model.ffn_dim % tp:
-        raise ConfigError(f"{_say('tp', tp, work)} does not divide model.ffn_dim={model.ffn_dim}; use {flag} in "
-                          f"{', '.join(map(str, divisors(math.gcd(model.ffn_dim, model.n_heads))))}")
+    # The MLP width split over tp: a dense MLP's; inference's experts (each split like one)
+    # and training's shared experts (routed experts go to ep) of a MoE layer.
+    key, width = "model.ffn_dim", model.ffn_dim
+    if model.n_experts and not training:
+        key, width = "model.moe_ffn_dim", model.moe_ffn_dim
+    elif model.n_experts:
+        key, width = "model.n_shared_experts × model.moe_ffn_dim", model.n_shared_experts * model.moe_ffn_dim
+    if width % tp:
+        raise ConfigError(f"{_say('tp', tp, work)} does not divide {key}={width}; use {flag} in "
+                          f"{', '.join(map(str, divisors(math.gcd(width, model.n_heads))))}")
+    if model.n_experts and not training and width // tp % 8:
+        fits = divisors(math.gcd(width // 8, model.n_kv_heads))
+        raise ConfigError(f"{_say('tp', tp, work)} splits each expert's {key}={width} into {width // tp} rows, not a "
+                          f"multiple of 8 (the grouped matmul's alignment); use {flag} in {', '.join(map(str, fits))}")
     # No rule for the vocabulary: training's vocabulary-parallel embedding and loss take uneven
     # DTensor shards (vocab 259 on tp 2: loss and gradient norm equal to one process), and
     # inference pads the last shard.
