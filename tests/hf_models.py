@@ -7,6 +7,10 @@ from pathlib import Path
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+# The tiny mixture-of-experts configurations (4 experts, 2 per token) of the MoE and GGUF tests.
+MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 24,
+                     "norm_topk_prob": False}}
 
 
 def train_tokenizer(vocab_size: int = 320):

@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
-from hf_models import hf_model, make_hf_folder, merge_peft_adapter  # noqa: E402
+from hf_models import MOE, hf_model, make_hf_folder, merge_peft_adapter  # noqa: E402
 from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.io.gguf import GGUFWeights, permute_for_gguf, to_gguf_name  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
@@ -24,10 +24,10 @@ def folder(tmp_path_factory):
     return make_hf_folder(tmp_path_factory.mktemp("gguf") / "llama", num_hidden_layers=2)
 
 
-def write_gguf(folder, path, qtype, extra=lambda writer: None):
+def write_gguf(folder, path, qtype, extra=lambda writer: None, arch="llama"):
     src = HFWeights(folder)
     cfg = src.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     extra(w)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_seq_len)
@@ -49,12 +49,12 @@ def write_gguf(folder, path, qtype, extra=lambda writer: None):
     expected = {}
     for name in src.names():
         t = src.read(name).float()
-        if name.endswith("wq.weight"):
+        if name.endswith("wq.weight") and arch == "llama":  # Qwen3's converter keeps the rows
             t = permute_for_gguf(t, cfg.n_heads)
-        elif name.endswith("wk.weight"):
+        elif name.endswith("wk.weight") and arch == "llama":
             t = permute_for_gguf(t, cfg.n_kv_heads)
         arr = t.numpy()
-        if t.dim() == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if t.dim() >= 2 and qtype != gguf.GGMLQuantizationType.F32:  # experts: 3-D, quantized by rows
             q = gguf.quants.quantize(arr, qtype)
             w.add_tensor(to_gguf_name(name), q, raw_dtype=qtype)
             arr = gguf.quants.dequantize(q, qtype).reshape(arr.shape)
@@ -197,3 +197,40 @@ def test_qlora_fine_tunes_on_top_of_a_gguf_file(folder, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(ids),
                                    model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_gguf_matches_the_folder(tmp_path, arch):
+    """llama.cpp's MoE tensors (ffn_gate_inp, ffn_{gate,up,down}_exps stacked 3-D) and metadata
+    (expert_count, expert_used_count, expert_feed_forward_length, expert_weights_norm): the
+    logits of the Hugging Face folder they were written from (Qwen3-MoE, F32), or of the
+    dequantized weights (Mixtral, Q8_0: llama's permuted q/k rows)."""
+    folder = make_hf_folder(tmp_path / arch, arch=arch, num_hidden_layers=2, **MOE[arch])
+    cfg = HFWeights(folder).config
+
+    def moe(w):
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+        w.add_expert_weights_norm(cfg.router_renorm)
+        if arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_ffn_dim)
+            w.add_key_length(cfg.head_dim)
+            w.add_value_length(cfg.head_dim)
+
+    path = tmp_path / "moe.gguf"
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    if arch == "mixtral":  # Q8_0 experts (3-D, quantized by rows) and router: the dequantized weights' logits
+        expected = write_gguf(folder, path, gguf.GGMLQuantizationType.Q8_0, moe)
+        m = llmsplit.load(path, quantize="none")
+        want = reference_logits(m.config, expected, ids)
+        packed = llmsplit.load(path)  # the router kept packed, the experts widened
+        torch.testing.assert_close(packed.logits(ids), want, atol=2e-2, rtol=0)
+    else:  # F32: the folder's own logits
+        write_gguf(folder, path, gguf.GGMLQuantizationType.F32, moe, arch="qwen3moe")
+        m = llmsplit.load(path)
+        with torch.no_grad():
+            want = hf_model(folder)(ids).logits
+    c = m.config
+    assert (c.n_experts, c.experts_per_token, c.moe_ffn_dim, c.router_renorm, c.qk_norm, c.head_dim) == (
+        cfg.n_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.router_renorm, cfg.qk_norm, cfg.head_dim)
+    torch.testing.assert_close(m.logits(ids), want, atol=1e-4, rtol=0)

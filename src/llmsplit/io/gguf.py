@@ -19,7 +19,8 @@ from ..config import ConfigError
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import shape_mismatch, structure_problem
 
-ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs use the llama architecture
+# Mistral and Mixtral GGUFs use the llama architecture (Mixtral with expert_count set).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Quantization types dequantized through gguf.quants (plain floats, legacy and K-quants).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -31,6 +32,13 @@ _LAYER = {
     "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias",
     "attn_output.weight": "attention.wo.weight", "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight", "ffn_down.weight": "feed_forward.w2.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight", "attn_k_norm.weight": "attention.k_norm.weight",
+    # Mixture of experts: the router, the experts stacked in one 3-D tensor each (ggml's
+    # [in, out, experts] is our [experts, out, in]) and the shared experts.
+    "ffn_gate_inp.weight": "feed_forward.router.weight", "ffn_gate_exps.weight": "feed_forward.w1",
+    "ffn_up_exps.weight": "feed_forward.w3", "ffn_down_exps.weight": "feed_forward.w2",
+    "ffn_gate_shexp.weight": "feed_forward.shared.w1.weight", "ffn_up_shexp.weight": "feed_forward.shared.w3.weight",
+    "ffn_down_shexp.weight": "feed_forward.shared.w2.weight",
 }
 _TOP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
         "output.weight": "output.weight"}
@@ -99,6 +107,10 @@ class GGUFWeights:
                                   f"{t.tensor_type.name}, which llmsplit does not read; supported: "
                                   f"{', '.join(SUPPORTED_TYPES)}")
             self._tensors[ours] = t
+        # llama.cpp's converter permutes llama files' q/k rows for its interleaved rotation; qwen2
+        # files are read permuted as before this change (unverified against llama.cpp's Qwen2
+        # converter); Qwen3 and Qwen3-MoE files keep the rotate-half rows (NEOX rotation).
+        self._permuted = arch in ("llama", "qwen2")
         self.config = self._config(arch)
         found = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._tensors.items()}
         problem = shape_mismatch(self.config, found, to_gguf_name, f"{arch}.block_count")
@@ -135,12 +147,35 @@ class GGUFWeights:
                                   f"it must be a positive number")
             numbers[field] = float(value)
         cfg = LlamaConfig(**counts, **numbers, vocab_size=int(self._tensors["tok_embeddings.weight"].shape[1]),
-                          tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2")
+                          tie_embeddings="output.weight" not in self._tensors, qkv_bias=arch == "qwen2",
+                          qk_norm="layers.0.attention.q_norm.weight" in self._tensors, **self._qwen3_moe_fields(arch))
         problem = structure_problem(cfg, lambda field: f"{arch}.{_COUNTS.get(field, ('attention.key_length',))[0]}")
         if problem:
             raise ConfigError(f"{str(self.path)!r}: GGUF metadata {problem}")
         cfg.rope_scaling = self._rope_scaling(lambda k, d=None: self._value(f"{arch}.{k}", d), cfg.head_dim)
         return cfg
+
+    def _qwen3_moe_fields(self, arch: str) -> dict:
+        """Qwen3's own head size and the mixture-of-experts counts, as llama.cpp writes them."""
+        fields = {}
+        for field, key in (("head_dim", "attention.key_length"), ("n_experts", "expert_count"),
+                           ("experts_per_token", "expert_used_count"), ("moe_ffn_dim", "expert_feed_forward_length")):
+            value = self._value(f"{arch}.{key}")
+            if value is None:
+                continue
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{str(self.path)!r}: GGUF metadata {arch}.{key} is {repr(value)[:60]}; it must be "
+                                  f"a positive integer")
+            fields[field] = value
+        if not fields.get("n_experts"):
+            return {k: v for k, v in fields.items() if k == "head_dim"}
+        # llama.cpp renormalises the k weights of Mixtral and Qwen3-MoE unless the file says not to.
+        fields["router_renorm"] = bool(self._value(f"{arch}.expert_weights_norm", True))
+        shared = self._tensors.get("layers.0.feed_forward.shared.w1.weight")
+        if shared is not None:  # [dim, n_shared · moe_ffn_dim] in ggml's order
+            width = fields.get("moe_ffn_dim") or self._value(f"{arch}.feed_forward_length")
+            fields["n_shared_experts"] = max(1, int(shared.shape[1]) // width)
+        return fields
 
     def _rope_scaling(self, a, head_dim: int) -> str | None:
         """Rope scaling as llama.cpp stores it: a rope_freqs tensor (Llama 3.1's scaling, one
@@ -195,7 +230,8 @@ class GGUFWeights:
             return None
         t = self._tensors.get(name) or self._tensors["tok_embeddings.weight"]
         cols, rows = t.shape
-        heads = {"wq": self.config.n_heads, "wk": self.config.n_kv_heads}.get(name.split(".")[-2])
+        heads = {"wq": self.config.n_heads, "wk": self.config.n_kv_heads}.get(name.split(".")[-2]) \
+            if self._permuted else None
         order = torch.arange(rows) if heads is None else unpermute_from_gguf(torch.arange(rows), heads)
         dim, index, parts = shard or (0, 0, 1)
         if dim == 0:
@@ -229,9 +265,9 @@ class GGUFWeights:
         if not values.flags.writeable:  # float32 tensors come back as views of the read-only map
             values = values.copy()
         w = torch.from_numpy(values).reshape(shape)
-        if name.endswith(("wq.weight", "wq.bias")):
+        if self._permuted and name.endswith(("wq.weight", "wq.bias")):
             w = unpermute_from_gguf(w, self.config.n_heads)
-        elif name.endswith(("wk.weight", "wk.bias")):
+        elif self._permuted and name.endswith(("wk.weight", "wk.bias")):
             w = unpermute_from_gguf(w, self.config.n_kv_heads)
         if shard is not None:
             dim, index, parts = shard
