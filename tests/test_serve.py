@@ -25,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 
 from hf_models import make_hf_folder  # noqa: E402
 from helpers import run_cli  # noqa: E402
+from llmsplit.launch import free_port  # noqa: E402
 
 KEY = "sk-test-key"
 PROMPT = "The def statement"
@@ -453,15 +454,30 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout(folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_serving_answers_like_one_process(server, folder, tmp_path):
-    want = client(server).completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0,
+def test_serving_split_over_two_nodes_answers_like_one_process(server, folder, tmp_path):
+    """--tp 2 --pp 2 over two "nodes" on loopback, started as users start them: node 0 serves
+    HTTP and holds the first stage (ranks 0-1, a tensor-parallel pair with a local follower),
+    node 1 runs the second stage's ranks 2-3; both exit 0 once node 0 is stopped."""
+    want = client(server).completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
-    with live_server(folder, tmp_path, "--tp", "2", "--api-key", KEY) as (url, proc, log):
-        c = client(url)
-        got = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0,
-                                   extra_body={"ignore_eos": True})
-        assert got.choices[0].text == want
-        stream = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                           stream=True, extra_body={"ignore_eos": True})
-        assert sum(1 for chunk in stream for ch in chunk.choices if ch.finish_reason == "length") == 1
-    assert proc.returncode == 0, log.read_text()
+    port = free_port()
+    split = ("--tp", "2", "--pp", "2", "--nnodes", "2", "--master-port", str(port))
+    node1_log = tmp_path / "node1.log"
+    with open(node1_log, "w") as err:  # started first: it waits for node 0's store to come up
+        node1 = subprocess.Popen([sys.executable, "-m", "llmsplit", "serve", "--model", str(folder), *split,
+                                  "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        with live_server(folder, tmp_path, *split, "--node-rank", "0", "--api-key", KEY) as (url, proc, log):
+            c = client(url)
+            got = c.completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want and got.usage.completion_tokens == 24
+            stream = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+            assert sum(1 for chunk in stream for ch in chunk.choices if ch.finish_reason == "length") == 1
+        assert proc.returncode == 0, log.read_text()
+        assert node1.wait(60) == 0, node1_log.read_text()
+        assert "runs its workers for node 0" in node1_log.read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()

@@ -253,6 +253,22 @@ def test_an_unexpected_error_is_a_500_counted_in_metrics_and_draining_is_a_503(m
         assert int(r.headers["Retry-After"]) >= 1
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--pp", "2", "--nnodes", "2"], "--nnodes > 1 needs --master-port"),
+    (["--nnodes", "2", "--master-port", "1"], "needs --tp or --pp"),
+    (["--pp", "2", "--nnodes", "3", "--master-port", "1"], "--nnodes 3 must divide the 2 workers"),
+    (["--pp", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "--node-rank 2 must be between 0"),
+    (["--pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--master-addr", "no.such.host."],
+     "does not resolve"),
+])
+def test_serving_over_nodes_refuses_flags_that_cannot_form_a_job(folder, flags, message, capsys):
+    from llmsplit import cli
+
+    assert cli.main(["serve", "--model", str(folder), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("flags,warned", [(["--host", "0.0.0.0"], True), (["--host", "::"], True),
                                           (["--host", "0.0.0.0", "--api-key", "k"], False),
                                           (["--host", "127.0.0.1"], False), ([], False)])

@@ -195,6 +195,7 @@ def _lora_runs(pairs: list[str]) -> dict[str, str]:
 def cmd_serve(args) -> int:
     from .diagnose.oom import infer_failure, infer_oom_errors
     from .infer.placement import parse_size
+    from .launch import Nodes
 
     try:
         from .infer.server import serve
@@ -211,7 +212,7 @@ def cmd_serve(args) -> int:
               drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
               kv_tokens=args.kv_tokens, prefix_caching=args.prefix_caching,
               max_num_batched_tokens=args.max_num_batched_tokens, lora=_lora_runs(args.lora),
-              **_placement_kwargs(args))
+              nodes=Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port), **_placement_kwargs(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:

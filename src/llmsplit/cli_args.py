@@ -69,12 +69,7 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set train.steps=10 (repeatable; default none)")
     p.add_argument("--nproc", type=COUNT, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
     p.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
-    p.add_argument("--nnodes", type=COUNT, default=1, metavar="N", help="number of machines (default %(default)s)")
-    p.add_argument("--node-rank", type=number(int, at_least=0), default=0, metavar="R",
-                   help="this machine's rank, 0..nnodes-1 (default %(default)s)")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0 (default %(default)s)")
-    p.add_argument("--master-port", type=number(int, at_least=0, at_most=65535), metavar="PORT",
-                   help="port on node 0 (required with --nnodes > 1; default: a free port)")
+    _add_node_args(p)
     p.add_argument("--max-restarts", type=number(int, at_least=0), default=0, metavar="K",
                    help="restart the workers up to K times after a failure, resuming from the newest checkpoint "
                         "(default %(default)s)")
@@ -162,6 +157,7 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="how long a request's headers and body may take to arrive, and its chat template and "
                         "tokenizing to run, before it is refused (default %(default)s)")
     _add_placement_args(p, context_default="the model's, at most 4096")
+    _add_node_args(p, node0="; node 0 serves HTTP, the others run their share of the --tp/--pp workers")
     return p
 
 
@@ -243,6 +239,16 @@ def _add_plan(sub) -> argparse.ArgumentParser:
     p.add_argument("--emit-config", metavar="OUT.toml", help="write the best layout llmsplit train runs as a config "
                    "(default: write nothing)")
     return p
+
+
+def _add_node_args(p: argparse.ArgumentParser, node0: str = "") -> None:
+    """The machines a job runs on: the same flags for `train` and `serve`."""
+    p.add_argument("--nnodes", type=COUNT, default=1, metavar="N", help="number of machines (default %(default)s)")
+    p.add_argument("--node-rank", type=number(int, at_least=0), default=0, metavar="R",
+                   help=f"this machine's rank, 0..nnodes-1{node0} (default %(default)s)")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0 (default %(default)s)")
+    p.add_argument("--master-port", type=number(int, at_least=0, at_most=65535), metavar="PORT",
+                   help="port on node 0 (required with --nnodes > 1; default: a free port)")
 
 
 def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None:

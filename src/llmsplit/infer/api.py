@@ -12,7 +12,8 @@ import torch
 
 from ..config import ConfigError
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
-from .distributed import SplitRunner, split_layout, split_spec
+from ..launch import Nodes
+from .distributed import SplitRunner, follow_node, split_layout, split_spec
 from .engine import Engine, SamplingParams
 from .placement import MODES, Placement, Sizes, detect_budgets, place
 from .runner import PieceSpec, Runner
@@ -109,32 +110,30 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
          quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
          max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None,
-         lora: dict[str, str] | None = None) -> LoadedModel:
+         lora: dict[str, str] | None = None, nodes: Nodes = Nodes()) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
     `lora`: {name: LoRA run} adapters served over this base model together (`Sequence.adapter`
     k runs with the k-th; `serve --lora NAME=RUN`).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
-    "int4" quantizes the float weights as they load, "none" widens everything to `dtype`."""
+    "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
+    `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`)."""
     source = source if source is not None else open_weights(path, what="model path")
-    quantize = _quantize_mode(quantize, compile)
     cfg = source.config
-    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize)
+    quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
+                                                quantize, compile)
     max_context = sizes.context
-    # The pool placement budgeted for: kv_tokens, or max_batch full contexts.
-    num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-max_context // block_size)
     if lora and (tp > 1 or pp > 1 or compile):  # (a compiled graph would not see the adapters' hooks)
         raise ConfigError("--lora serves adapters over an eager model in one process in this version; drop "
                           "--tp/--pp/--compile or --lora")
-    if tp > 1 or pp > 1:
-        layout = split_layout(cfg, tp, pp)
-        if max_memory or offload_dir or device_map not in (None, "auto"):
-            raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
-                              "--max-memory and --offload-dir")
-        if compile:
-            raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-        runner = SplitRunner(split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize))
-        dmap = _split_map(cfg, layout)
+    if tp > 1 or pp > 1 or nodes.nnodes > 1:
+        spec = _split(path, cfg, tp, pp, dtype, num_blocks, block_size, max_context, quantize, nodes,
+                      device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, compile=compile)
+        if nodes.node_rank != 0:
+            raise ConfigError(f"--node-rank {nodes.node_rank} runs workers for node 0, which serves; "
+                              f"call llmsplit.infer.api.follow there")
+        runner = SplitRunner(spec)
+        dmap = _split_map(cfg, spec)
         placement = None
     else:
         budgets = detect_budgets(max_memory, offload_dir)
@@ -157,6 +156,47 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     if compile:
         _compile_decode_graphs(engine, max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg, adapters=list(lora or {}))
+
+
+def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: int = 4,
+           max_context: int | None = None, block_size: int = 16, *, quantize: str | None = None,
+           kv_tokens: int | None = None, **placement) -> None:
+    """Node `nodes.node_rank` > 0 of a `--tp/--pp` split over machines: run this node's
+    ranks until node 0's `load` (the same arguments) closes the model. The pool and the
+    split are sized here exactly as node 0 sizes them; `placement` holds `load`'s other
+    arguments (checked as `load` checks them; the engine's apply on node 0 only)."""
+    source = open_weights(path, what="model path")
+    quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
+                                                quantize, placement.get("compile", False))
+    keys = ("device_map", "max_memory", "offload_dir", "compile")
+    spec = _split(path, source.config, tp, pp, dtype, num_blocks, block_size, sizes.context, quantize, nodes,
+                  **{k: placement[k] for k in keys if k in placement})
+    del source
+    follow_node(spec)
+
+
+def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize, compile: bool):
+    """(quantize mode, compute dtype, placement `Sizes`, KV pool blocks) of a load; the pool
+    is what placement budgeted for: kv_tokens, or max_batch full contexts."""
+    quantize = _quantize_mode(quantize, compile)
+    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize)
+    num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-sizes.context // block_size)
+    return quantize, dtype, sizes, num_blocks
+
+
+def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int, max_context: int, quantize,
+           nodes: Nodes, device_map="auto", max_memory=None, offload_dir=None, compile: bool = False):
+    """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused where it cannot run."""
+    if tp * pp == 1:
+        raise ConfigError(f"--nnodes {nodes.nnodes} splits the model over machines, which needs --tp or --pp "
+                          f"(their product is the workers of all nodes together); add one or drop --nnodes")
+    layout = split_layout(cfg, tp, pp)
+    if max_memory or offload_dir or device_map not in (None, "auto"):
+        raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
+                          "--max-memory and --offload-dir")
+    if compile:
+        raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
+    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes)
 
 
 def _quantize_mode(quantize, compile: bool) -> str:
@@ -184,13 +224,14 @@ def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
     engine.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
 
 
-def _split_map(cfg, layout) -> dict[str, str]:
-    from .distributed import rank_device, stage_units
+def _split_map(cfg, spec) -> dict[str, str]:
+    from .distributed import stage_units
 
+    layout = spec.layout
     tp, pp, dmap = layout.tp, layout.pp, {}
     for stage in range(pp):
         ranks = list(range(stage * tp, (stage + 1) * tp))
-        where = ", ".join(f"{rank_device(r, tp * pp)} (rank {r})" for r in ranks)
+        where = ", ".join(f"{spec.device(r)} (rank {r})" for r in ranks)
         dmap.update({u: where for u in stage_units(cfg, layout, stage)})
     return dmap
 

@@ -10,6 +10,11 @@ every rank finds its stage, its tensor-parallel group and its pipeline neighbour
 `parallel.mesh.Mesh` built from the `Layout`, and the stages hold the layers of
 `layout.stage_layers`. Each rank opens the weights itself and reads only its slices
 (tensor parallel) or its stage's layers (pipeline).
+
+Across machines (`nnodes` > 1, training's `--nnodes/--node-rank/--master-addr/--master-port`)
+node k holds ranks k * world / nnodes onwards, as training's launcher numbers them: node 0
+runs rank 0 (the caller: the HTTP server) and its own followers, every other node only
+followers (`follow_node`), which join node 0's store at master_addr:master_port.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..launch import Followers
+from ..launch import Followers, Nodes
 from ..layout import Layout, Workload, check, stage_layers
 from ..parallel.mesh import Mesh, ParallelDims
 from .kv_cache import PackedStep
@@ -37,6 +42,7 @@ class SplitSpec:
     block_size: int
     max_context: int
     quantize: str | None = None
+    nodes: Nodes = Nodes()
 
     @property
     def tp(self) -> int:
@@ -49,6 +55,11 @@ class SplitSpec:
     @property
     def world(self) -> int:
         return self.layout.world
+
+    def device(self, rank: int) -> str:
+        """The device of worker `rank`: its own GPU when its machine has one per local worker, else the CPU."""
+        per_node = self.world // self.nodes.nnodes
+        return rank_device(rank % per_node, per_node)
 
 
 def split_layout(cfg, tp: int, pp: int) -> Layout:
@@ -77,7 +88,7 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     rank that dies loading is then reported by rank 0's watch, not awaited in a collective)."""
     from ..io.weights import open_weights
 
-    device = rank_device(dist.get_rank(), spec.world)
+    device = spec.device(dist.get_rank())
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # before the mesh, whose NCCL communicators bind to it
     mesh = Mesh(ParallelDims.from_layout(spec.layout), device.split(":")[0])
@@ -130,16 +141,25 @@ def _follow(spec: SplitSpec) -> None:
     runner.close()
 
 
+def _followers(spec: SplitSpec) -> Followers:
+    if dist.is_initialized():
+        raise ConfigError("--tp/--pp start their own worker processes and cannot run inside an existing "
+                          "torch.distributed job; call llmsplit.load outside torchrun")
+    backend = "nccl" if spec.device(0).startswith("cuda") else "gloo"
+    return Followers(_follow, (spec,), spec.world, backend, nodes=spec.nodes)
+
+
+def follow_node(spec: SplitSpec) -> None:
+    """Run this node's ranks (node_rank > 0) until node 0's rank 0 closes the model."""
+    _followers(spec).follow_to_the_end()
+
+
 class SplitRunner:
     """Rank 0's handle on the split model; `forward` has the contract of `Runner.forward`."""
 
     def __init__(self, spec: SplitSpec):
-        if dist.is_initialized():
-            raise ConfigError("--tp/--pp start their own worker processes and cannot run inside an existing "
-                              "torch.distributed job; call llmsplit.load outside torchrun")
         self.spec = spec
-        backend = "nccl" if rank_device(0, spec.world).startswith("cuda") else "gloo"
-        self.followers = Followers(_follow, (spec,), spec.world, backend)
+        self.followers = _followers(spec)
         try:
             self.runner, self.mesh = _load_piece(spec)
             loaded = dist.barrier(async_op=True)
@@ -164,5 +184,9 @@ class SplitRunner:
 
 
 def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int,
-               quantize: str | None = None) -> SplitSpec:
-    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize)
+               quantize: str | None = None, nodes: Nodes = Nodes()) -> SplitSpec:
+    nodes.check()
+    if nodes.nnodes > 1 and layout.world % nodes.nnodes:
+        raise ConfigError(f"--nnodes {nodes.nnodes} must divide the {layout.world} workers of --tp {layout.tp} "
+                          f"--pp {layout.pp} (each node runs as many); change --nnodes, --tp or --pp")
+    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes)

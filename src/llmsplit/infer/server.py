@@ -333,15 +333,26 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, api_key: str | None = None,
           max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, request_timeout: float = 10.0,
           **load_kwargs) -> None:
-    """Load the model (`llmsplit.load` arguments in load_kwargs) and serve it until SIGTERM/Ctrl-C."""
-    from .api import load
+    """Load the model (`llmsplit.load` arguments in load_kwargs) and serve it until SIGTERM/Ctrl-C.
+    On a node other than node 0 (load_kwargs' `nodes`), run this node's workers instead, until
+    node 0 stops."""
+    from .api import follow, load
 
-    sock = bind(host, port)
+    nodes = load_kwargs.get("nodes")
+    follower = nodes is not None and nodes.node_rank > 0
+    sock = None if follower else bind(host, port)
     if threading.current_thread() is threading.main_thread():
         # uvicorn drains on SIGTERM, then re-raises it; exiting through SystemExit instead of
         # the default kill lets `finally` stop the tp/pp workers, which would otherwise be orphaned.
         previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
+        if follower:
+            nodes.check()  # before saying what this node will do
+            engine_only = ("prefix_caching", "max_num_batched_tokens", "tune_threads", "nodes")
+            print(f"llmsplit: node {nodes.node_rank} of {nodes.nnodes} runs its workers for node 0 at "
+                  f"{nodes.master_addr}:{nodes.master_port}, which serves", file=sys.stderr, flush=True)
+            follow(model_path, nodes, **{k: v for k, v in load_kwargs.items() if k not in engine_only})
+            return
         model = load(model_path, **load_kwargs)
         try:
             name = name or _default_name(model_path)
@@ -362,7 +373,8 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
         finally:
             model.close()
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
 

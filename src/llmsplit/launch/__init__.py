@@ -3,9 +3,9 @@
 up, and, for inference, the follower ranks of a job whose rank 0 is the calling process.
 A process utility under both `train/` and `infer/`: it imports neither."""
 
-from .followers import Followers
+from .followers import Followers, Nodes
 from .workers import (PEER_GONE, LaunchError, check_master_addr, claim_process_for_launching, default_nproc, free_port,
                       join_job, launch, start_method, under_torchrun, worker_entry)
 
-__all__ = ["PEER_GONE", "Followers", "LaunchError", "check_master_addr", "claim_process_for_launching",
+__all__ = ["PEER_GONE", "Followers", "LaunchError", "Nodes", "check_master_addr", "claim_process_for_launching",
            "default_nproc", "free_port", "join_job", "launch", "start_method", "under_torchrun", "worker_entry"]

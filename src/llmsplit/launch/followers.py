@@ -1,5 +1,7 @@
 """The follower ranks of a job whose rank 0 is the calling process (inference `--tp/--pp`),
-started by the process layer of torch's elastic launcher with `launch`'s settings."""
+started by the process layer of torch's elastic launcher with `launch`'s settings, on this
+machine or, with `Nodes`, on several (`--nnodes/--node-rank/--master-addr/--master-port`,
+the flags `launch` takes for training)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,43 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .workers import LaunchError, attempt_store, failure_error, join_job, prepare_workers
+from ..errors import ConfigError
+from .workers import LaunchError, attempt_store, check_master_addr, doctor_hint, failure_error, join_job, prepare_workers
 
 _JOINED = "llmsplit/followers_joined"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines a job's ranks run on, numbered as `launch` numbers them: node k holds
+    ranks k * per_node .. (k + 1) * per_node - 1, so node 0 holds rank 0; node 0 hosts the
+    job's store at master_port (every address of the machine), the others reach it at
+    master_addr. One node (the default) keeps everything on 127.0.0.1 and a free port."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def check(self, resolve: bool = True) -> None:
+        """Refuse flags that cannot form a job (ConfigError); `resolve`: also look the master
+        address up (not inside torchrun, whose own flags name it)."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be between 0 and --nnodes - 1 = {self.nnodes - 1}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
+        if self.nnodes > 1 and resolve:
+            check_master_addr(self.master_addr, self.master_port)
+
+    def ranks(self, world: int) -> range:
+        """The ranks this node holds."""
+        per_node = world // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
 def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple):
@@ -45,30 +76,43 @@ class Followers:
     names a follower that dies while rank 0 waits for something (a barrier on a dead rank
     would block for the full timeout instead)."""
 
-    def __init__(self, entrypoint, args: tuple, world: int, backend: str, timeout_s: float = 600.0):
+    def __init__(self, entrypoint, args: tuple, world: int, backend: str, timeout_s: float = 600.0,
+                 nodes: Nodes = Nodes()):
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-        method, threads = prepare_workers(world)
+        ranks = nodes.ranks(world)
+        method, threads = prepare_workers(len(ranks))
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.nodes, self.world, self.store = nodes, world, None
+        if nodes.node_rank == 0:  # the job's store; on the other nodes the followers reach it themselves
+            self.store = dist.TCPStore(nodes.master_addr, nodes.master_port or 0, world, is_master=True,
+                                       wait_for_workers=False, timeout=timeout)
         self._log_dir = tempfile.mkdtemp(prefix="llmsplit-followers-")
-        job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), **threads}
-        # start_processes numbers its processes from 0 (their error files, its failures).
-        envs = {i: {**job, "RANK": str(i + 1), "LOCAL_RANK": str(i + 1)} for i in range(world - 1)}
+        job = {"MASTER_ADDR": "127.0.0.1" if self.store else nodes.master_addr,
+               "MASTER_PORT": str(self.store.port if self.store else nodes.master_port),
+               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(len(ranks)), **threads}
+        # The ranks of this node but rank 0 (the calling process on node 0); start_processes
+        # numbers its processes from 0 (their error files, its failures).
+        self._ranks = [r for r in ranks if r != 0]
+        envs = {i: {**job, "RANK": str(r), "LOCAL_RANK": str(r - ranks.start)} for i, r in enumerate(self._ranks)}
         follower = (entrypoint, backend, timeout_s, args)
+        self._procs = None  # node 0 may hold rank 0 alone (one rank per node)
         try:
             with _signal_handlers_kept():  # start() installs torchrun's handlers; the caller keeps its own
-                self._procs = start_processes("llmsplit-followers", _run_follower, dict.fromkeys(envs, follower),
-                                              envs, DefaultLogsSpecs(log_dir=self._log_dir), start_method=method)
+                if envs:
+                    self._procs = start_processes("llmsplit-followers", _run_follower, dict.fromkeys(envs, follower),
+                                                  envs, DefaultLogsSpecs(log_dir=self._log_dir), start_method=method)
         except BaseException:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             raise
         self._threads = torch.get_num_threads()
         # Left running, the followers would keep this process from exiting (they are not daemons).
         atexit.register(self.kill)
+        if self.store is None:
+            return  # this node has no rank 0: `follow_to_the_end` waits for its ranks
         try:
-            self.wait_until(lambda: self.store.add(_JOINED, 0) == world - 1, " while starting")
+            self.wait_until(lambda: self.store.add(_JOINED, 0) == world - 1, " while starting",
+                            timeout_s if nodes.nnodes > 1 else None)
             dist.init_process_group(backend, store=attempt_store(self.store), rank=0, world_size=world,
                                     timeout=timeout)
         except BaseException:
@@ -76,11 +120,13 @@ class Followers:
             raise
         torch.set_num_threads(int(threads["LLMSPLIT_THREADS"]))  # rank 0 takes its share of the cores
 
-    def wait_until(self, done, doing: str) -> None:
+    def wait_until(self, done, doing: str, timeout_s: float | None = None) -> None:
         """Poll `done()` until it is true; a follower that dies meanwhile raises LaunchError
         naming its rank and `doing` (e.g. " while loading the model"). A collective that
         `done` waits on may notice the death first ("Connection closed by peer"): the
-        follower's own failure is then reported instead, once its exit shows."""
+        follower's own failure is then reported instead, once its exit shows. `timeout_s`:
+        how long other nodes may take to join (a local follower either joins or dies)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._raise_if_ended(0, doing)
             try:
@@ -89,14 +135,33 @@ class Followers:
             except RuntimeError:
                 self._raise_if_ended(5, doing)
                 raise
+            if deadline is not None and time.monotonic() > deadline:
+                n, addr, port = self.nodes.nnodes, self.nodes.master_addr, self.store.port
+                raise LaunchError(f"not all {n} nodes joined at {addr}:{port} within {timeout_s:g}s{doing}",
+                                  doctor_hint(addr, port))
             time.sleep(0.02)
 
+    def follow_to_the_end(self) -> None:
+        """On a node without rank 0: wait while this node's ranks follow rank 0 (on node 0)
+        until it closes the job; a rank that fails (node 0 gone included) raises LaunchError."""
+        with _quiet_process_layer():
+            while (result := self._procs.wait(1.0, period=0.1)) is None:
+                pass
+        try:
+            if result.failures:
+                raise failure_error({self._ranks[i]: f for i, f in result.failures.items()},
+                                    f" on node {self.nodes.node_rank}") from None
+        finally:
+            self.kill()
+
     def _raise_if_ended(self, timeout_s: float, doing: str) -> None:
+        if self._procs is None:
+            return
         with _quiet_process_layer():
             result = self._procs.wait(timeout_s, period=0.02)
         if result is None:
             return
-        failures = {rank + 1: f for rank, f in result.failures.items()}
+        failures = {self._ranks[i]: f for i, f in result.failures.items()}
         if not failures:
             raise LaunchError(f"the worker ranks returned{doing}, before rank 0 told them to stop")
         raise failure_error(failures, doing) from None
@@ -105,14 +170,16 @@ class Followers:
         """Leave the job once the followers have been told to stop, and let them end."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._procs.wait(timeout_s, period=0.02)
+        if self._procs is not None:
+            self._procs.wait(timeout_s, period=0.02)
         self.kill()
 
     def kill(self) -> None:
         """End the followers that still run, drop rank 0's part of the job and its files."""
         atexit.unregister(self.kill)
         with _quiet_process_layer():
-            self._procs.close()
+            if self._procs is not None:
+                self._procs.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(self._threads)

@@ -83,7 +83,7 @@ def check_master_addr(addr: str, port: int | None) -> None:
                           f"address (`llmsplit doctor --master-addr {addr} --master-port {port}` checks it)") from None
 
 
-def _doctor_hint(addr: str, port: int) -> str:
+def doctor_hint(addr: str, port: int) -> str:
     return (f"start the same command on every node (same --nnodes, --master-addr, --master-port; node 0 first), "
             f"check that node 0's firewall lets port {port} in, and run `llmsplit doctor --master-addr {addr} "
             f"--master-port {port}` on each node")
@@ -245,9 +245,9 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         waited = f"within {timeout_s:g}s (train.timeout_s)"
         if node_rank == 0:
             raise LaunchError(f"not all {nnodes} nodes joined at {master_addr}:{master_port} {waited}: {e}",
-                              _doctor_hint(master_addr, master_port)) from None
+                              doctor_hint(master_addr, master_port)) from None
         raise LaunchError(f"node {node_rank} could not reach the master {master_addr}:{master_port} {waited}: {e}",
-                          _doctor_hint(master_addr, master_port)) from None
+                          doctor_hint(master_addr, master_port)) from None
 
 
 # Each follower adds 1 here once it has reached rank 0's store (the env:// rendezvous).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import Config, load_config, model_config, record_model_sizes, to_toml, validate
 from ..errors import ConfigError
-from ..launch import LaunchError, check_master_addr, default_nproc, launch, start_method, under_torchrun
+from ..launch import LaunchError, Nodes, default_nproc, launch, start_method, under_torchrun
 from ..models.llama import LlamaConfig
 
 
@@ -133,12 +133,7 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
     w = workers
     if w.nproc is not None and w.nproc < 1:
         raise ConfigError(f"--nproc {w.nproc} must be at least 1")
-    if w.nnodes < 1 or not 0 <= w.node_rank < w.nnodes:
-        raise ConfigError(f"--node-rank {w.node_rank} must be between 0 and --nnodes - 1 = {w.nnodes - 1}")
-    if w.nnodes > 1 and w.master_port is None:
-        raise ConfigError("--nnodes > 1 needs --master-port (the same on every node)")
-    if w.nnodes > 1 and not torchrun:
-        check_master_addr(w.master_addr, w.master_port)
+    Nodes(w.nnodes, w.node_rank, w.master_addr, w.master_port).check(resolve=not torchrun)
     if w.max_restarts < 0:
         raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
