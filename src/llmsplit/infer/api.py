@@ -160,11 +160,16 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
 
 def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: int = 4,
            max_context: int | None = None, block_size: int = 16, *, quantize: str | None = None,
-           kv_tokens: int | None = None, **placement) -> None:
+           kv_tokens: int | None = None, announce=None, **placement) -> None:
     """Node `nodes.node_rank` > 0 of a `--tp/--pp` split over machines: run this node's
     ranks until node 0's `load` (the same arguments) closes the model. The pool and the
     split are sized here exactly as node 0 sizes them; `placement` holds `load`'s other
-    arguments (checked as `load` checks them; the engine's apply on node 0 only)."""
+    arguments (the placement ones checked as `load` checks them; the engine's, such as
+    prefix_caching, apply on node 0 only). `announce(text)` hears what this node will do."""
+    nodes.check()
+    if announce:
+        announce(f"node {nodes.node_rank} of {nodes.nnodes} runs its workers for node 0 at "
+                 f"{nodes.master_addr}:{nodes.master_port}, which serves")
     source = open_weights(path, what="model path")
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
                                                 quantize, placement.get("compile", False))

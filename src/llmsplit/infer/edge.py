@@ -16,9 +16,11 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..errors import ConfigError
 from .protocol import APIError
 
 log = logging.getLogger("llmsplit.serve")
@@ -145,3 +147,18 @@ class TimedH11Protocol(H11Protocol):
         self._head_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the server starts so that --port 0 can say its port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

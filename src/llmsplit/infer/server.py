@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
-from .edge import Gate, TimedH11Protocol
+from .edge import Gate, TimedH11Protocol, bind
 from .engine import SamplingParams
 from .grammar import Grammars
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
@@ -315,21 +314,6 @@ def _encode_all(tokenizer, prompts) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the server starts so that --port 0 can say its port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, api_key: str | None = None,
           max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, request_timeout: float = 10.0,
           **load_kwargs) -> None:
@@ -346,12 +330,9 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
         # the default kill lets `finally` stop the tp/pp workers, which would otherwise be orphaned.
         previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        if follower:
-            nodes.check()  # before saying what this node will do
-            engine_only = ("prefix_caching", "max_num_batched_tokens", "tune_threads", "nodes")
-            print(f"llmsplit: node {nodes.node_rank} of {nodes.nnodes} runs its workers for node 0 at "
-                  f"{nodes.master_addr}:{nodes.master_port}, which serves", file=sys.stderr, flush=True)
-            follow(model_path, nodes, **{k: v for k, v in load_kwargs.items() if k not in engine_only})
+        if follower:  # node 1.. of --nnodes: this node's share of the workers, no HTTP
+            follow(model_path, announce=lambda text: print(f"llmsplit: {text}", file=sys.stderr, flush=True),
+                   **load_kwargs)
             return
         model = load(model_path, **load_kwargs)
         try:
