@@ -1,5 +1,7 @@
 """Placement as a pure function, on fake budgets of several GPUs."""
 
+from dataclasses import replace
+
 import pytest
 
 from llmsplit.config import ConfigError
@@ -122,3 +124,24 @@ def test_sizes_and_budgets_parse():
     for bad in ("cuda:0:20GiB", "cuda:0=lots", "gpu0=1GiB"):
         with pytest.raises(ConfigError):
             parse_max_memory(bad)
+
+
+def test_experts_kept_on_the_cpu_leave_attention_on_the_accelerator():
+    """--n-cpu-moe: Qwen3-30B-A3B in bf16 (61 GB) and a 24 GiB GPU. Without it 31 of 48 layers
+    stream from the CPU; with the experts of all 48 layers in CPU memory every layer is resident
+    on the GPU, and the CPU is charged exactly the experts' bytes."""
+    from llmsplit.models.presets import preset_config
+
+    cfg = preset_config("qwen3-30b-a3b")
+    budgets = {"cuda:0": 24 * GiB, "cpu": 128 * GiB}
+    sizes = Sizes(dtype_bytes=2, kv_dtype_bytes=2, context=4096)
+    plain = place(cfg, budgets, "auto", sizes)
+    assert list(plain.device_map.values()).count("cpu") > 20 and plain.cpu_experts == []
+    weights = dict(units(cfg, 2))
+    for n in (4, 48):
+        p = place(cfg, budgets, "auto", replace(sizes, cpu_moe_layers=n))
+        assert p.cpu_experts == list(range(n))
+        streamed = sum(weights[u] for u, d in p.device_map.items() if d == "cpu")  # whole layers offloaded
+        assert p.usage["cpu"]["weights"] == n * cfg.routed_expert_params() * 2 + streamed
+    assert set(p.device_map.values()) == {"cuda:0"} and "experts of layers.0 .. layers.47: cpu" in p.describe()
+    assert p.usage["cuda:0"]["weights"] == sum(weights.values()) - 48 * cfg.routed_expert_params() * 2

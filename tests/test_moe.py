@@ -158,6 +158,23 @@ def test_moe_folders_match_transformers(family):
     assert greedy_tokens(m, ids[0].tolist()) == want.tolist()
 
 
+def test_experts_kept_on_the_cpu_give_the_same_tokens(family):
+    """--n-cpu-moe 1: layer 0's experts loaded into CPU memory and run through the dispatch that
+    moves rows there and back (a no-op move on a CPU-only machine), the logits unchanged."""
+    arch, folder = family
+    whole = llmsplit.load(folder)
+    m = llmsplit.load(folder, n_cpu_moe=1)
+    from llmsplit.infer.cpu_experts import experts_on_cpu
+
+    layers = m.runner.model.layers
+    assert m.placement.cpu_experts == [0] and layers["0"].feed_forward.dispatch is experts_on_cpu
+    assert layers["1"].feed_forward.dispatch is None and layers["0"].feed_forward.w1.device.type == "cpu"
+    ids = torch.randint(2, m.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(m.logits(ids), whole.logits(ids), atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="--n-cpu-moe 1 keeps the experts .* no --tp/--pp"):
+        llmsplit.load(folder, n_cpu_moe=1, pp=2)
+
+
 @pytest.mark.slow
 def test_moe_folders_under_tensor_parallel_match_transformers(family):
     """--tp 2 splits each expert's hidden width like a dense MLP (infer/runner.py): logits and

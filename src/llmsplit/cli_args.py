@@ -272,6 +272,9 @@ def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> Non
                    "(default: a GGUF keeps its own, other models stay float)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
                    "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
+    p.add_argument("--n-cpu-moe", type=number(int, at_least=1), metavar="N",
+                   help="keep the routed experts of the first N mixture-of-experts layers in CPU memory, attention "
+                   "on the accelerator, as llama.cpp's --n-cpu-moe (default: experts stay with their layer)")
 
 
 class _ConfigKeysAction(argparse.Action):

@@ -7,6 +7,7 @@ engine then drives whichever runner results.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -110,19 +111,26 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
          quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
          max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None,
-         lora: dict[str, str] | None = None, nodes: Nodes = Nodes()) -> LoadedModel:
+         lora: dict[str, str] | None = None, nodes: Nodes = Nodes(), n_cpu_moe: int = 0) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
     `lora`: {name: LoRA run} adapters served over this base model together (`Sequence.adapter`
     k runs with the k-th; `serve --lora NAME=RUN`).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
     "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
-    `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`)."""
+    `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`).
+    `n_cpu_moe`: keep the routed experts of the first N MoE layers in CPU memory (infer/cpu_experts.py)."""
     source = source if source is not None else open_weights(path, what="model path")
     cfg = source.config
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
                                                 quantize, compile)
     max_context = sizes.context
+    if n_cpu_moe:
+        if not cfg.n_experts or n_cpu_moe < 0 or tp > 1 or pp > 1:
+            raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of that many mixture-of-experts layers in "
+                              f"CPU memory, in one process: it needs a MoE model (model.n_experts="
+                              f"{cfg.n_experts}), a positive count and no --tp/--pp")
+        sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
     if lora and (tp > 1 or pp > 1 or compile):  # (a compiled graph would not see the adapters' hooks)
         raise ConfigError("--lora serves adapters over an eager model in one process in this version; drop "
                           "--tp/--pp/--compile or --lora")

@@ -10,6 +10,7 @@ are brought to the execution device one layer at a time, so the execution device
 pays for their KV cache and for two layers of staging (the running one and the prefetched one).
 
 Units, in model order: `tok_embeddings`, `layers.0` … `layers.{n-1}`, `norm`, `output`.
+`Sizes.cpu_moe_layers` keeps MoE layers' experts in CPU memory, charged there (cpu_experts.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError
 from ..io.procfs import proc_bytes
 from ..models.llama import LlamaConfig
+from .cpu_experts import cpu_expert_layers
 
 GiB = 1 << 30
 MODES = ("auto", "balanced", "sequential")
@@ -45,6 +47,7 @@ class Sizes:
     # {unit: bytes} of units whose weights stay packed (int4/int8, `io.weights.packed_unit_bytes`)
     # while resident; a unit offloaded to disk is widened, so streaming counts its float bytes.
     packed_bytes: dict = field(default_factory=dict)
+    cpu_moe_layers: int = 0  # the first N MoE layers keep their routed experts in CPU memory
 
     @property
     def pool_tokens(self) -> int:
@@ -57,6 +60,7 @@ class Placement:
     exec_device: str  # where offloaded (cpu/disk) units run
     usage: dict[str, dict[str, int]]  # device -> bytes by kind and "total"
     budgets: dict[str, int | None]
+    cpu_experts: list[int] = field(default_factory=list)  # layers whose routed experts stay in CPU memory
 
     def describe(self) -> str:
         """The map as `--show-device-map` prints it: runs of units, then bytes per device."""
@@ -69,6 +73,9 @@ class Placement:
             run.append((unit, dev))
         if any(_offloaded(d, self.exec_device) for d in self.device_map.values()):
             lines.append(f"  offloaded units run on: {self.exec_device}")
+        if self.cpu_experts:
+            first, last = self.cpu_experts[0], self.cpu_experts[-1]
+            lines.append(f"  experts of layers.{first}{'' if first == last else ' .. layers.' + str(last)}: cpu")
         for dev, u in self.usage.items():
             budget = self.budgets.get(dev)
             parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in u.items() if k != "total" and v)
@@ -122,20 +129,24 @@ def place(cfg: LlamaConfig, budgets: dict[str, int | None], mode: str | dict = "
         dmap = _explicit_map(all_units, explicit)
         accel = [d for d in dict.fromkeys(dmap.values()) if kind(d) not in ("cpu", "disk")]
         exec_device = accel[0] if accel else "cpu"
-        usage = usage_by_device(cfg, dmap, exec_device, sizes)
-        _check(usage, budgets, cfg, sizes)
-        return Placement(dmap, exec_device, usage, dict(budgets))
+        _check(usage_by_device(cfg, dmap, exec_device, sizes), budgets, cfg, sizes)
+        return _placement(cfg, dmap, exec_device, budgets, sizes)
     if mode == "balanced":
         accel = [d for d in order if kind(d) not in ("cpu", "disk")]
         dmap = _balanced(cfg, all_units, accel, budgets, sizes) if accel else None
         if dmap is not None:
-            return Placement(dmap, exec_device, usage_by_device(cfg, dmap, exec_device, sizes), dict(budgets))
+            return _placement(cfg, dmap, exec_device, budgets, sizes)
     dmap = _fill(cfg, all_units, order, budgets, exec_device, sizes)
     if dmap is None:
         # Everything on the last tier shows the shortfall against the budgets.
         dmap = {u: order[-1] if order else "cpu" for u, _ in all_units}
         _check(usage_by_device(cfg, dmap, exec_device, sizes), budgets, cfg, sizes, whole=True)
-    return Placement(dmap, exec_device, usage_by_device(cfg, dmap, exec_device, sizes), dict(budgets))
+    return _placement(cfg, dmap, exec_device, budgets, sizes)
+
+
+def _placement(cfg, dmap, exec_device, budgets, s: Sizes) -> Placement:
+    return Placement(dmap, exec_device, usage_by_device(cfg, dmap, exec_device, s), dict(budgets),
+                     cpu_expert_layers(cfg, dmap, s.cpu_moe_layers, lambda d: not _offloaded(d, exec_device)))
 
 
 def _offloaded(device: str, exec_device: str) -> bool:
@@ -157,8 +168,14 @@ def usage_by_device(cfg: LlamaConfig, dmap: dict[str, str], exec_device: str, s:
     # A tied head shares the embedding's tensor when both sit, unstreamed, on one device.
     shared = (cfg.tie_embeddings and dmap.get("output") is not None and dmap.get("output") == dmap.get("tok_embeddings")
               and not _offloaded(dmap["output"], exec_device))
+    on_cpu = {f"layers.{i}" for i in cpu_expert_layers(cfg, dmap, s.cpu_moe_layers,
+                                                        lambda d: not _offloaded(d, exec_device))}
     for unit, dev in dmap.items():
         held = sizes[unit] if _offloaded(dev, exec_device) else resident[unit]
+        if unit in on_cpu:  # its experts in CPU memory, the rest of the layer on its device
+            moved = min(held, cfg.routed_expert_params() * s.dtype_bytes)
+            charge("cpu", "weights", moved)
+            held -= moved
         charge(dev, "weights", 0 if unit == "output" and shared else held)
         runs_on = exec_device if _offloaded(dev, exec_device) else dev
         if _offloaded(dev, exec_device):

@@ -23,6 +23,7 @@ from ..io.weights import read_weight
 from ..models.llama import Transformer
 from ..models.rope import model_rope_tables
 from ..threads import ThreadTuner
+from .cpu_experts import experts_on_cpu
 from .kv_cache import PackedStep, PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
@@ -38,6 +39,7 @@ _ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
 # dense MLP's. Keeping whole experts per rank instead would be expert parallel: tokens sent
 # between ranks (all-to-all) and ranks idle or overloaded as the router chooses.
 _EXPERTS = {"feed_forward.w1": 1, "feed_forward.w3": 1, "feed_forward.w2": 2}
+_EXPERT_KEYS = tuple(_EXPERTS)  # their names within a layer
 
 
 @dataclass
@@ -145,8 +147,11 @@ class Runner:
                 self.offloader.add(unit, module, tensors, dev)
                 self.devices[unit] = exec_device
                 continue
+            cpu_experts = unit in {f"layers.{i}" for i in spec.placement.cpu_experts}
             for key, t in tensors.items():
-                set_parameter(module, key, t.to(dev))
+                set_parameter(module, key, t.to("cpu" if cpu_experts and key in _EXPERT_KEYS else dev))
+            if cpu_experts:  # --n-cpu-moe: this layer's experts run where they are kept
+                module.feed_forward.dispatch = experts_on_cpu
             self.devices[unit] = torch.device(dev)
         first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
         model.rope_cos, model.rope_sin = model_rope_tables(cfg, spec.max_context, first)

@@ -115,6 +115,10 @@ class LlamaConfig:
             return 0
         return 3 * self.dim * self.moe_ffn_dim * (self.n_experts - self.experts_per_token) + self.dim * self.n_experts
 
+    def routed_expert_params(self) -> int:
+        """One MoE layer's routed experts (gate, up and down of each), whole; 0 if dense."""
+        return 3 * self.dim * self.moe_ffn_dim * self.n_experts if self.n_experts else 0
+
     def layer_params(self) -> int:
         """Parameters of one decoder layer: the matmuls, the q/k/v biases and the norms."""
         bias = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0

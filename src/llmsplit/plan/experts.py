@@ -17,14 +17,9 @@ from ..layout import Layout, Workload, microbatches, rank_layer_counts
 from ..models.llama import LlamaConfig
 
 
-def routed_expert_params(cfg: LlamaConfig) -> int:
-    """One MoE layer's routed experts (gate, up and down of each), whole."""
-    return 3 * cfg.dim * cfg.moe_ffn_dim * cfg.n_experts if cfg.n_experts else 0
-
-
 def expert_params_per_rank(cfg: LlamaConfig, ep: int) -> int:
     """One layer's routed expert parameters held by one ep rank."""
-    return routed_expert_params(cfg) // ep
+    return cfg.routed_expert_params() // ep
 
 
 def _routed_rows(cfg: LlamaConfig, layout: Layout, work: Workload) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig
-from .experts import dispatch_buffer_bytes, expert_params_per_rank, routed_expert_params
+from .experts import dispatch_buffer_bytes, expert_params_per_rank
 from .hardware import Device
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
 from .states import FP32, inference_weight_bytes, model_state_bytes, quantized_base_params, stored_bytes, zero_paper_bytes  # noqa: F401
@@ -61,7 +61,7 @@ def layer_params(cfg: LlamaConfig, tp: int = 1, ep: int = 1) -> int:
     are replicated; ep keeps 1/ep of the routed experts, whole on every tp rank, beside the
     replicated router: parallel/tensor_parallel.py)."""
     norms, kv, router = 2 * cfg.dim, cfg.kv_params(), cfg.dim * cfg.n_experts
-    q_o_mlp = cfg.layer_params() - kv - norms - routed_expert_params(cfg) - router
+    q_o_mlp = cfg.layer_params() - kv - norms - cfg.routed_expert_params() - router
     # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
     kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
     return q_o_mlp // tp + kv_share + norms + router + expert_params_per_rank(cfg, ep)
