@@ -84,7 +84,9 @@ def test_moe_configs_refused_in_one_sentence():
     for layout, fragment in ((Layout(dp=4, ep=3), "parallel.ep=3 does not divide the 4 data-parallel ranks"),
                              (Layout(dp=6, ep=3), "parallel.ep=3 does not divide model.n_experts=4; use parallel.ep "
                                                   "in 1, 2"),
-                             (Layout(dp=2, ep=2, zero=1), "parallel.ep=2 does not combine with parallel.zero=1")):
+                             (Layout(dp=2, ep=2, zero=1), "parallel.ep=2 does not combine with parallel.zero=1"),
+                             (Layout(dp=4, dp_replicate=2, zero=2, ep=4), r"parallel.ep=4 does not divide the 2 "
+                              r"data-parallel ranks \(parallel.dp / parallel.dp_replicate\); use parallel.ep in 1, 2")):
         with pytest.raises(ConfigError, match=fragment):
             check(preset_config("tiny-moe"), layout)
     with pytest.raises(ConfigError, match="this model has none"):
@@ -243,7 +245,8 @@ def test_aux_loss_and_tokens_per_expert_are_the_same_whatever_the_layout(tmp_pat
 
 @pytest.mark.slow
 def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path):
-    """ep 2 on 4 workers (each expert on 2 ranks: its gradient summed over them), tp 2 × ep 2
+    """ep 2 on 4 workers (each expert on 2 ranks: its gradient summed over them; hybrid sharding,
+    2 replicas of ZeRO-3 over 2 ranks, for the rest of the model), tp 2 × ep 2
     (attention and the shared expert split over tp, experts over ep, sequence parallel), ep 4 ×
     zero 2 and ep 2 × pp 2 × zero 3: the losses of one process at every step; each ep rank holds
     1/ep of the experts, as the planner predicts; checkpoints continue under another ep degree
@@ -252,7 +255,7 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
             "train.warmup_steps=1", "checkpoint.every=2", "train.moe_bias_rate=0.01",  # loss-free balancing on
             "model.n_shared_experts=1"]
     train(tmp_path / "one", *sets)
-    train(tmp_path / "ep2", *sets, "parallel.ep=2", nproc=4)
+    train(tmp_path / "ep2", *sets, "parallel.ep=2", "parallel.dp_replicate=2", "parallel.zero=3", nproc=4)
     train(tmp_path / "ep2_tp2", *sets, "parallel.ep=2", "parallel.tp=2", nproc=4)
     ck = {name: str(tmp_path / name / "checkpoints" / "step_2") for name in ("one", "ep2")}
     train(tmp_path / "ep4", *sets, "parallel.ep=4", "parallel.zero=2", nproc=4, extra=("--resume", ck["ep2"]))

@@ -127,17 +127,17 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
     if work is not None and work.mode == "infer":
         raise ConfigError(f"parallel.ep={ep} is for training; inference splits a mixture-of-experts model with "
                           f"--tp (each expert split over the ranks) or --pp")
-    if layout.dp % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the {layout.dp} data-parallel ranks (parallel.dp); use "
-                          f"parallel.ep in {', '.join(map(str, divisors(layout.dp)))}")
+    shard = layout.dp // layout.dp_replicate  # ep splits a replica's ranks (hybrid sharding: each replica)
+    if shard % ep:
+        where = "parallel.dp" if layout.dp_replicate == 1 else "parallel.dp / parallel.dp_replicate"
+        raise ConfigError(f"parallel.ep={ep} does not divide the {shard} data-parallel ranks ({where}); use "
+                          f"parallel.ep in {', '.join(map(str, divisors(shard)))}")
     # Not (yet) equal to one process, so refused: ZeRO-1 broadcasts every parameter over all
-    # of dp (experts differ between ep ranks); hybrid sharding, LoRA, offload and fp16 untried.
+    # of dp (experts differ between ep ranks); LoRA, offload and fp16 untried.
     lora = work.lora_rank if work is not None else 0
     precision = work.precision if work is not None else "fp32"
     for bad, name, value, fix in ((layout.zero == 1, "parallel.zero", layout.zero, "parallel.zero=0, 2 or 3"),
                                   (precision == "fp16", "train.precision", precision, 'train.precision="bf16"'),
-                                  (layout.dp_replicate > 1, "parallel.dp_replicate", layout.dp_replicate,
-                                   "parallel.dp_replicate=1"),
                                   (layout.offload != "none", "memory.offload", layout.offload, 'memory.offload="none"'),
                                   (lora > 0, "lora.rank", lora, "lora.rank=0")):
         if bad:
@@ -150,7 +150,7 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
                           f"parallel.ep=1")
     if model.n_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide model.n_experts={model.n_experts}; use parallel.ep in "
-                          f"{', '.join(str(d) for d in divisors(model.n_experts) if layout.dp % d == 0)}")
+                          f"{', '.join(str(d) for d in divisors(model.n_experts) if shard % d == 0)}")
 
 
 def _check_schedule(layout: Layout) -> None:

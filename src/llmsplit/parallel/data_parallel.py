@@ -73,8 +73,7 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     assert zero in (2, 3), zero
-    # Hybrid sharding is refused with expert parallel (layout/rules.py), so edp is dp_shard there.
-    dp_mesh = mesh.mesh["dp_replicate", "edp"] if mesh.dims.dp_replicate > 1 else mesh.sub("dp_shard")
+    dp_mesh = mesh.hybrid if mesh.hybrid is not None else mesh.sub("dp_shard")
     kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision), "ignored_params": ignored or None}
     if cpu_offload:
         # Pinned host memory needs an accelerator; a CPU-only build refuses it.

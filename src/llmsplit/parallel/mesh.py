@@ -69,6 +69,12 @@ class Mesh:
             "expert_dp": self.mesh["dp_replicate", "edp"]._flatten("expert_dp"),
             "dp": self.mesh["dp_replicate", "edp", "ep"]._flatten("dp")}
         self.dp_mesh: DeviceMesh = self.flat["dp"]
+        # Hybrid sharding's (replicas, shards) mesh, shards being edp × ep: with expert parallel
+        # the rest of the model shards over both. Unflattened from dp, as slicing the flattened
+        # dp_shard from the root mesh is deprecated.
+        self.hybrid: DeviceMesh | None = None
+        if dims.dp_replicate > 1:
+            self.hybrid = self.dp_mesh._unflatten(0, (dims.dp_replicate, dims.dp_shard), ("replicas", "shards"))
 
     def sub(self, dim: str) -> DeviceMesh:
         """The 1-D mesh of `dim`, one of DIMS or a flattened one (dp, dp_shard, expert_dp)."""
