@@ -1,4 +1,4 @@
-"""`python -m benchmarks.qlora [--model PRESET|HF_FOLDER] [--nproc N] [--zero Z]`: per-rank peak
+"""`python -m benchmarks.qlora [--model PRESET|HF_FOLDER|FILE.gguf] [--nproc N] [--zero Z]`: per-rank peak
 memory of LoRA over an fp32 base against QLoRA (`lora.base=nf4`, and int8) for the same model,
 layout, data and adapters. Alternating rounds; the peak is each rank's resident peak over the
 training steps (VmHWM, reset when training starts: the summary's per-rank `peak_mem_bytes`),
@@ -18,7 +18,8 @@ BASES = ("none", "nf4", "int8")
 
 
 def run(model: str, base: str, nproc: int, zero: int, run_dir: Path, steps: int, seq_len: int) -> dict:
-    source = f"model.hf={model}" if Path(model).is_dir() else f"model.preset={model}"
+    source = (f"model.hf={model}" if Path(model).is_dir() else f"model.gguf={model}" if model.endswith(".gguf")
+              else f"model.preset={model}")
     sets = [source, "lora.rank=16", "lora.alpha=16", f"lora.base={base}", f"train.steps={steps}",
             f"train.global_batch={nproc}", "train.micro_batch=1", f"data.seq_len={seq_len}", "train.log_every=1",
             "checkpoint.every=0", f"parallel.zero={zero}", "train.lr=1e-4"]

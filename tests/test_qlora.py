@@ -3,6 +3,7 @@
 on the dequantized weights in float, in one process and under DDP and ZeRO-3."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -58,6 +59,34 @@ def test_a_quantized_base_computes_with_its_dequantized_weights(base):
     stored = sum(t.numel() * t.element_size() for t in (wq.quantized_data, wq.quantized_scalers)) if base == "nf4" \
         else wq.int_data.numel()
     assert stored <= wq.numel() * (0.52 if base == "nf4" else 1)
+
+
+def test_nf4_weights_decode_into_one_workspace_as_torchao_decodes_them():
+    """`dequantize_nf4` gives torchao's `get_original_weight` value for value (a weight over the
+    int32 chunk of codes included), into one buffer every weight reuses; NF4 layers compute
+    through it and its backward gives the input torchao's gradient."""
+    from llmsplit.adapters import qlora
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=g) for shape in [(2048, 1088), (64, 128), (192, 576)]]
+    quantized = [quantize_weight(w, "nf4") for w in weights]
+    buffers = set()
+    for q in quantized:
+        got = qlora.dequantize_nf4(q)
+        assert torch.equal(got, q.get_original_weight())
+        buffers.add(got.untyped_storage().data_ptr())
+    assert len(buffers) == 1 and quantized[0].numel() // 2 > qlora._CODES_CHUNK
+    x = torch.randn(3, 5, 128, generator=g, requires_grad=True)
+    out = qlora.nf4_linear(x, quantized[1])
+    out.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    want = torch.nn.functional.linear(x2, quantized[1])  # torchao's linear_nf4
+    want.square().sum().backward()
+    assert torch.equal(out, want) and torch.allclose(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+    model = _lora_model()
+    quantize_base(model, "nf4")
+    assert type(model.layers["0"].attention.wq) is qlora.NF4LoRALinear
+    assert type(model.layers["0"].attention.wk) is qlora.NF4Linear
 
 
 @pytest.mark.parametrize("sets, fragment", [
@@ -134,6 +163,12 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
     assert_close_losses(losses(tmp_path / "z3"), want)
     summary = json.loads((tmp_path / "z3" / "summary.json").read_text())
     assert summary["plan_check"]["ratio_model_state"] == pytest.approx(1.0, abs=0.02)
+    # --auto over the nf4 base: the planner's layout for 2 workers (never tensor parallel, which the
+    # quantized base refuses) trains with the same losses.
+    proc = train(tmp_path / "auto", f"model.hf={base}", "lora.base=nf4", *QL, nproc=2, extra=("--auto",))
+    chosen = re.search(r"--auto chose (.*?) for 2 ", proc.stderr).group(1)
+    assert "tp=1" in chosen and json.loads((tmp_path / "auto" / "summary.json").read_text())["layout"]["tp"] == 1
+    assert_close_losses(losses(tmp_path / "auto"), want)
     train(tmp_path / "ddp", f"model.hf={base}", "lora.base=nf4", "parallel.zero=0", "train.precision=bf16", *QL,
           nproc=2)
     got = losses(tmp_path / "ddp")

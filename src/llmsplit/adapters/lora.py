@@ -38,7 +38,7 @@ class LoRALinear(nn.Linear):
     lora_dropout: float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = super().forward(x)  # the base layer's product (nn.Linear's, or qlora.NF4Linear's)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         return out + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scale
 

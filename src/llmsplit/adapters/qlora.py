@@ -9,6 +9,14 @@ know how FSDP2 all-gathers them (`fsdp_pre_all_gather`), so ZeRO-2/3 shard and g
 packed bytes, never a float copy. `quant.PackedWeight` (inference's packed weights) has no
 backward and refuses every other op by design, so it is not reused here.
 
+NF4 weights compute through `nf4_linear` rather than torchao's `linear_nf4`: the same numbers,
+but torchao's dequantization (`NF4Tensor.get_original_weight`) builds each weight through int64
+codes and several full-size float temporaries, ~5x the float weight at every use, forward and
+backward, which on a 1B model is a few hundred MiB at the moment of the peak. `nf4_linear`
+decodes a byte (two 4-bit codes) at a time from a 256-entry table into one float workspace
+that every layer reuses (the ops of a step run one after another), in chunks of bounded int32
+codes, and recomputes the weight in backward rather than keeping it.
+
 What is quantized: every linear weight of every decoder layer (q, k, v, o, gate, up, down),
 whether or not it carries an adapter, as QLoRA does; the embedding, the norms and the output
 head stay float. The weights are quantized once, after they are loaded whole on the rank and
@@ -17,13 +25,15 @@ before FSDP/DDP wrap them (apply.py): every layout then holds the same quantized
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .lora import TARGETS
+from .lora import TARGETS, LoRALinear
 
 BASES = ("nf4", "int8")
 NF4_BLOCK = 64  # values per NF4 scale: the QLoRA paper's and torchao's default
@@ -109,6 +119,76 @@ def quantize_base(model: nn.Module, base: str) -> None:
         w = module.weight
         module.weight = nn.Parameter(quantize_weight(w.detach(), base), requires_grad=False)
         del w
+        if base == "nf4":  # computes through nf4_linear (the class swap keeps names, parameters, hooks)
+            module.__class__ = NF4LoRALinear if isinstance(module, LoRALinear) else NF4Linear
+
+
+def release_freed_heap() -> None:
+    """Give the kernel back the heap pages that quantizing freed. torchao's quantizers make
+    temporaries of many sizes (to_nf4 compares every value with the 16 NF4 levels); glibc keeps
+    what they freed in its heap rather than unmapping it, and a whole model quantized layer by
+    layer left 415 MiB resident that nothing used (/proc/self/status after quantizing
+    SmolLM2-135M's shapes: RSS 871 MiB, 455 after `malloc_trim(0)`), counted in every rank's
+    peak from then on. PyTorch has no call for this; glibc's own is used where it exists."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator keeps its own policy
+        return
+    libc.malloc_trim(0)
+
+
+class NF4Linear(nn.Linear):
+    """An nn.Linear whose weight is an NF4Tensor, computed by `nf4_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4_linear(x, self.weight, self.bias)
+
+
+class NF4LoRALinear(LoRALinear, NF4Linear):
+    """A LoRALinear over an NF4 base weight: LoRALinear.forward's base product is NF4Linear's."""
+
+
+def nf4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _NF4Matmul.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """x @ W^T with W dequantized into the shared workspace, in forward and again in backward
+    (the weight is frozen: it gets no gradient, and nothing of it is kept between the two)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)  # the NF4 bytes, as torchao's linear_nf4 keeps them
+        return F.linear(x, dequantize_nf4(weight))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w = dequantize_nf4(ctx.saved_tensors[0])
+        return grad_out @ (w if w.dtype == grad_out.dtype else w.to(grad_out.dtype)), None
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the float buffer weights decode into
+_CODES_CHUNK = 1 << 20  # bytes of NF4 codes widened to int32 at a time (4 MiB of indices)
+
+
+def dequantize_nf4(w) -> torch.Tensor:
+    """NF4Tensor `w` as floats of its dtype, in the shared workspace: valid until the next call
+    (each caller uses it at once). Equal to torchao's `get_original_weight`, value for value."""
+    n, key = w.numel(), (w.dtype, w.device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < n:
+        _WORKSPACE[key] = buf = None  # the old one freed before the larger one is made
+        _WORKSPACE[key] = buf = torch.empty(n, dtype=w.dtype, device=w.device)
+    out = buf[:n]
+    codes, pairs = w.quantized_data.reshape(-1), out.view(-1, 2)  # a byte: element 2j (high nibble), 2j + 1
+    table = torch.stack([w.nf4.repeat_interleave(16), w.nf4.repeat(16)], 1).to(w.dtype)  # [256, 2]
+    for start in range(0, codes.numel(), _CODES_CHUNK):
+        chunk = codes[start:start + _CODES_CHUNK].to(torch.int32)
+        torch.index_select(table, 0, chunk, out=pairs[start:start + chunk.numel()])
+    scalers = w.dequantize_scalers(w.quantized_scalers, w.quantization_factor, w.scaler_block_size)
+    out.view(-1, w.block_size).mul_(scalers.unsqueeze(-1))
+    return out.view(w.shape)
 
 
 def quantized_names(model: nn.Module) -> list[str]:
