@@ -133,6 +133,10 @@ def test_planner_splits_experts_over_ep_and_counts_the_all_to_all():
     assert all_to_all_bytes_per_step(cfg, Layout(dp=4, micro_batch=2), work) == 0
     eps = {lay.ep for lay in enumerate_layouts(cfg, work, 4, get_device("H100-80GB"))}
     assert eps == {1, 2, 4}
+    # tp x ep: the routed experts are split over ep only, whole on every tp rank (and the router).
+    assert layer_params(cfg, tp=2) - layer_params(cfg, tp=2, ep=2) == routed // 2
+    assert layer_params(cfg) - layer_params(cfg, tp=2) == (2 * 128 * 128 + cfg.kv_params()) // 2  # q, o, k, v
+    assert (2, 2) in {(lay.tp, lay.ep) for lay in enumerate_layouts(cfg, work, 4, get_device("H100-80GB"))}
 
 transformers = pytest.importorskip("transformers")
 

@@ -132,8 +132,9 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
         where = "parallel.dp" if layout.dp_replicate == 1 else "parallel.dp / parallel.dp_replicate"
         raise ConfigError(f"parallel.ep={ep} does not divide the {shard} data-parallel ranks ({where}); use "
                           f"parallel.ep in {', '.join(map(str, divisors(shard)))}")
-    # Not (yet) equal to one process, so refused: ZeRO-1 broadcasts every parameter over all
-    # of dp (experts differ between ep ranks); LoRA, offload and fp16 untried.
+    # Refused: ZeRO-1 broadcasts every updated parameter over all of dp with c10d, which has no
+    # sharding rule for the experts' DTensors (NotImplementedError at the first step) and would
+    # mix the experts of different ep ranks; LoRA, offload and fp16 untried.
     lora = work.lora_rank if work is not None else 0
     precision = work.precision if work is not None else "fp32"
     for bad, name, value, fix in ((layout.zero == 1, "parallel.zero", layout.zero, "parallel.zero=0, 2 or 3"),

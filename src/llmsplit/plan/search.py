@@ -106,8 +106,8 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
         schedules = ["1f1b", "zbv"] if minimal else ["1f1b", "interleaved_1f1b", "zbv"]
     micro = [1] if minimal else _powers_of_two_dividing(per_rank)
     checkpoints = ["full"] if minimal else ["none", "selective", "full"]
-    # Expert parallel for MoE models: every degree that divides dp and the experts (the rules
-    # in layout/ say which combinations run).
+    # Expert parallel for MoE models: every degree that divides a replica's ranks and the
+    # experts, beside tp and hybrid sharding too (the rules in layout/ say which combinations run).
     eps = [e for e in divisors(dp) if e == 1 or (cfg.n_experts and cfg.n_experts % e == 0)]
     for zero in zeros:
         replicas = [1]
@@ -119,7 +119,7 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
                 v = 2 if sched in ("interleaved_1f1b", "zbv") else 1
                 for mb in micro:
                     for ac in checkpoints:
-                        for ep in eps if zero != 1 and r == 1 else [1]:
+                        for ep in [e for e in eps if (dp // r) % e == 0] if zero != 1 else [1]:
                             yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
                                          pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
                                          micro_batch=mb, activation_checkpoint=ac, ep=ep)
