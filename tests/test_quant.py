@@ -136,15 +136,16 @@ def test_placement_counts_the_packed_bytes(folder, tmp_path):
 
 @pytest.mark.slow
 def test_packed_under_tp_pp_and_disk_offload(folder, tmp_path):
-    """--tp 2 --pp 2 shards the packed weights (row-parallel ones along whole groups) and
-    disk offload widens what it writes: the whole packed model's tokens either way."""
+    """--tp 2 --pp 2 shards the packed weights (row-parallel ones along whole groups), here with
+    --kv-dtype int8 too, and disk offload widens what it writes: the whole packed model's tokens
+    either way."""
     path = tmp_path / "m.gguf"
     write_gguf(folder, path, gguf.GGMLQuantizationType.Q4_0)
     whole = llmsplit.load(path)
     prompt = [5, 9, 30, 7, 11]
     want = whole.generate(prompt, max_new_tokens=8, ignore_eos=True)
     ids = torch.randint(0, whole.config.vocab_size, (1, 12))
-    split = llmsplit.load(path, tp=2, pp=2)
+    split = llmsplit.load(path, tp=2, pp=2, kv_dtype="int8")  # and the int8 KV pool on every worker
     try:
         assert isinstance(split.runner.runner.model.layers["0"].attention.wo.weight, PackedWeight)
         torch.testing.assert_close(split.logits(ids), whole.logits(ids), atol=0.02, rtol=0.02)

@@ -150,7 +150,7 @@ def _placement_kwargs(args) -> dict:
     """The placement flags of generate and serve (`cli_args._add_placement_args`) as `llmsplit.load` arguments."""
     return dict(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir,
                 dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile,
-                quantize=args.quantize, tune_threads=True, n_cpu_moe=args.n_cpu_moe or 0)
+                quantize=args.quantize, kv_dtype=args.kv_dtype, tune_threads=True, n_cpu_moe=args.n_cpu_moe or 0)
 
 
 def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16) -> int:
@@ -163,7 +163,7 @@ def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16)
                                    offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
                                    max_context=args.max_context, max_batch_flag=serving,
                                    min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None),
-                                   quantize=args.quantize)
+                                   quantize=args.quantize, kv_dtype=args.kv_dtype)
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
     print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1

@@ -184,7 +184,7 @@ def infer_failure(error: BaseException, where: str) -> InferFailure:
 def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memory, offload_dir, dtype,
                           max_batch: int, max_context: int | None, max_batch_flag: bool,
                           min_context: int = 16, kv_tokens: int | None = None,
-                          quantize: str | None = None) -> dict:
+                          quantize: str | None = None, kv_dtype: str | None = None) -> dict:
     """`explain_infer_oom` (its report) for `failure` of `llmsplit.load(model, ...)` with these
     arguments, on the memory budgets as they are once the failed load is gone. Call it after
     leaving the `except` block (see `InferFailure`)."""
@@ -200,7 +200,8 @@ def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memor
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # so that the budgets read below are the device's, not the failed load's
     source = open_weights(model)
-    _, sizes = run_sizes(source, dtype, max_batch, max_context, kv_tokens=kv_tokens, quantize=quantize)
+    _, sizes = run_sizes(source, dtype, max_batch, max_context, kv_tokens=kv_tokens, quantize=quantize,
+                         kv_dtype=kv_dtype)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
                              placement_mode(device_map), failure.measured, offload_dir=offload_dir,
@@ -288,7 +289,7 @@ def _budget_changes(sizes, fits, *, offload: bool, max_batch_flag: bool, min_con
             if any(set(e) <= set(chosen) for e in enough):
                 continue
             flags = {flag for flag, _, _ in chosen}
-            s = replace(sizes, dtype_bytes=2, kv_dtype_bytes=2) if "--dtype" in flags else sizes
+            s = replace(sizes, dtype_bytes=2, kv_dtype_bytes=min(2, sizes.kv_dtype_bytes)) if "--dtype" in flags else sizes
             disk = "--offload-dir" in flags
             if chosen and fits(s, disk):
                 enough.append(chosen)

@@ -16,6 +16,7 @@ from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..launch import Nodes
 from .distributed import SplitRunner, follow_node, split_layout, split_spec
 from .engine import Engine, SamplingParams
+from .kv_cache import KV_DTYPES, kv_element_bytes
 from .placement import MODES, Placement, Sizes, detect_budgets, place
 from .runner import PieceSpec, Runner
 
@@ -70,13 +71,14 @@ class LoadedModel:
 
 
 def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16,
-              kv_tokens: int | None = None, quantize: str | None = None):
+              kv_tokens: int | None = None, quantize: str | None = None, kv_dtype: str | None = None):
     """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
     out-of-memory explainer (`diagnose/oom.py`) explains with. `kv_tokens`: the KV pool all
     sequences share (default max_batch full contexts); blocks are taken as tokens arrive and
     the engine preempts when it runs out, so a pool smaller than max_batch × max_context
     serves max_batch sequences as long as they are shorter on average. Packed units count
-    their packed bytes (`quantize` as `load` takes it)."""
+    their packed bytes (`quantize` as `load` takes it); the KV pool its elements' bytes
+    (`kv_dtype` "int8": 1 byte and a share of the scales, `kv_cache.kv_element_bytes`)."""
     from ..models.rope import dynamic_rope_limit
 
     # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
@@ -88,9 +90,12 @@ def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size
     if kv_tokens is not None and kv_tokens < max_context:
         raise ConfigError(f"kv_tokens {kv_tokens} holds less than one sequence of max_context {max_context} "
                           f"tokens; raise --kv-tokens or lower --max-context")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype {kv_dtype!r} is not one of: {', '.join(KV_DTYPES)} (default: the compute dtype)")
     dtype = _dtype(dtype, source.dtype if torch.cuda.is_available() else torch.float32)
+    kv_bytes = kv_element_bytes(dtype.itemsize, source.config.head_dim, kv_dtype)
     return dtype, Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize,
-                        kv_dtype_bytes=dtype.itemsize, kv_tokens=kv_tokens,
+                        kv_dtype_bytes=kv_bytes, kv_tokens=kv_tokens,
                         packed_bytes=packed_unit_bytes(source, quantize))
 
 
@@ -109,7 +114,8 @@ def placement_mode(device_map):
 
 def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
          max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
-         quantize: str | None = None, kv_tokens: int | None = None, prefix_caching: bool = True,
+         quantize: str | None = None, kv_tokens: int | None = None, kv_dtype: str | None = None,
+         prefix_caching: bool = True,
          max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None,
          lora: dict[str, str] | None = None, nodes: Nodes = Nodes(), n_cpu_moe: int = 0) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
@@ -118,12 +124,14 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     k runs with the k-th; `serve --lora NAME=RUN`).
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
     "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
+    `kv_dtype`: None keeps the KV cache in `dtype`; "int8" stores it as int8 with a scale per
+    (token, head), about 1/4 of float32's bytes and 1/2 of bfloat16's.
     `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`).
     `n_cpu_moe`: keep the routed experts of the first N MoE layers in CPU memory (infer/cpu_experts.py)."""
     source = source if source is not None else open_weights(path, what="model path")
     cfg = source.config
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, compile)
+                                                quantize, compile, kv_dtype)
     max_context = sizes.context
     if n_cpu_moe:
         if not cfg.n_experts or n_cpu_moe < 0 or tp > 1 or pp > 1:
@@ -136,7 +144,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                           "--tp/--pp/--compile or --lora")
     if tp > 1 or pp > 1 or nodes.nnodes > 1:
         spec = _split(path, cfg, tp, pp, dtype, num_blocks, block_size, max_context, quantize, nodes,
-                      device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, compile=compile)
+                      device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, compile=compile,
+                      kv_dtype=kv_dtype)
         if nodes.node_rank != 0:
             raise ConfigError(f"--node-rank {nodes.node_rank} runs workers for node 0, which serves; "
                               f"call llmsplit.infer.api.follow there")
@@ -150,7 +159,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
                                           offload_dir=offload_dir, compile=compile, quantize=quantize,
-                                          tune_threads=tune_threads))
+                                          tune_threads=tune_threads, kv_dtype=kv_dtype))
         dmap = dict(placement.device_map)
         if lora:
             adapters = [run_adapters(run, f"--lora {name}") for name, run in lora.items()]
@@ -180,25 +189,27 @@ def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: 
                  f"{nodes.master_addr}:{nodes.master_port}, which serves")
     source = open_weights(path, what="model path")
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, placement.get("compile", False))
-    keys = ("device_map", "max_memory", "offload_dir", "compile")
+                                                quantize, placement.get("compile", False), placement.get("kv_dtype"))
+    keys = ("device_map", "max_memory", "offload_dir", "compile", "kv_dtype")
     spec = _split(path, source.config, tp, pp, dtype, num_blocks, block_size, sizes.context, quantize, nodes,
                   **{k: placement[k] for k in keys if k in placement})
     del source
     follow_node(spec)
 
 
-def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize, compile: bool):
+def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize, compile: bool,
+           kv_dtype: str | None = None):
     """(quantize mode, compute dtype, placement `Sizes`, KV pool blocks) of a load; the pool
     is what placement budgeted for: kv_tokens, or max_batch full contexts."""
     quantize = _quantize_mode(quantize, compile)
-    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize)
+    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize, kv_dtype)
     num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-sizes.context // block_size)
     return quantize, dtype, sizes, num_blocks
 
 
 def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int, max_context: int, quantize,
-           nodes: Nodes, device_map="auto", max_memory=None, offload_dir=None, compile: bool = False):
+           nodes: Nodes, device_map="auto", max_memory=None, offload_dir=None, compile: bool = False,
+           kv_dtype: str | None = None):
     """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused where it cannot run."""
     if tp * pp == 1:
         raise ConfigError(f"--nnodes {nodes.nnodes} splits the model over machines, which needs --tp or --pp "
@@ -209,7 +220,7 @@ def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int,
                           "--max-memory and --offload-dir")
     if compile:
         raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes)
+    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype)
 
 
 def _quantize_mode(quantize, compile: bool) -> str:

@@ -43,6 +43,7 @@ class SplitSpec:
     max_context: int
     quantize: str | None = None
     nodes: Nodes = Nodes()
+    kv_dtype: str | None = None
 
     @property
     def tp(self) -> int:
@@ -98,7 +99,8 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     placement = Placement({u: device for u in stage_units(cfg, spec.layout, stage)}, device, {}, {})
     runner = Runner(source, PieceSpec(placement, spec.dtype, spec.num_blocks, spec.block_size, spec.max_context,
                                       tp_rank=tp_rank, tp_size=spec.tp, tp_group=mesh.group("tp"),
-                                      layers=stage_layers(cfg, spec.layout)[stage], quantize=spec.quantize))
+                                      layers=stage_layers(cfg, spec.layout)[stage], quantize=spec.quantize,
+                                      kv_dtype=spec.kv_dtype))
     return runner, mesh
 
 
@@ -184,9 +186,9 @@ class SplitRunner:
 
 
 def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int,
-               quantize: str | None = None, nodes: Nodes = Nodes()) -> SplitSpec:
+               quantize: str | None = None, nodes: Nodes = Nodes(), kv_dtype: str | None = None) -> SplitSpec:
     nodes.check()
     if nodes.nnodes > 1 and layout.world % nodes.nnodes:
         raise ConfigError(f"--nnodes {nodes.nnodes} must divide the {layout.world} workers of --tp {layout.tp} "
                           f"--pp {layout.pp} (each node runs as many); change --nnodes, --tp or --pp")
-    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes)
+    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype)

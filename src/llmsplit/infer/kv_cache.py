@@ -202,20 +202,42 @@ class PackedStep:
         return PackedStep(torch.cat(positions), torch.cat([p.slots for p in parts]), parts, torch.cat(pick))
 
 
+KV_DTYPES = ("int8",)  # --kv-dtype; default: the compute dtype
+
+
+def kv_element_bytes(dtype_bytes: int, head_dim: int, kv_dtype: str | None) -> float:
+    """Bytes one key (or value) element takes in the pool: the compute dtype's, or int8's 1 plus
+    its share of the float32 scale each (token, head) has."""
+    return 1 + 4 / head_dim if kv_dtype == "int8" else dtype_bytes
+
+
 class PagedKVCache:
     """K and V pools for the layers one process holds: [blocks * block_size, kv_heads, head_dim]
-    per layer, on the device where that layer runs."""
+    per layer, on the device where that layer runs.
+
+    `kv_dtype="int8"`: the pools hold int8 with a float32 scale per (token, head) in
+    `k_scale`/`v_scale` ([blocks * block_size, kv_heads]), symmetric (amax / 127), as vLLM's
+    and llama.cpp's 8-bit KV caches scale per token and head; stored as the step writes them,
+    widened to `dtype` as attention reads them. head_dim 64: 68 bytes a (token, head) against
+    256 in float32 and 128 in bfloat16."""
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 layer_devices: dict[int, torch.device], dtype: torch.dtype):
+                 layer_devices: dict[int, torch.device], dtype: torch.dtype, kv_dtype: str | None = None):
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.k = {i: torch.zeros(shape, device=d, dtype=dtype) for i, d in layer_devices.items()}
-        self.v = {i: torch.zeros(shape, device=d, dtype=dtype) for i, d in layer_devices.items()}
+        self.dtype, self.quantized = dtype, kv_dtype == "int8"
+        stored = torch.int8 if self.quantized else dtype
+        self.k = {i: torch.zeros(shape, device=d, dtype=stored) for i, d in layer_devices.items()}
+        self.v = {i: torch.zeros(shape, device=d, dtype=stored) for i, d in layer_devices.items()}
+        scales = {i: torch.ones(shape[:2], device=d) for i, d in layer_devices.items()} if self.quantized else {}
+        self.k_scale, self.v_scale = scales, {i: s.clone() for i, s in scales.items()}
         self._step: Step | None = None
         self._on: dict[torch.device, tuple] = {}
 
+    def pools(self) -> list[torch.Tensor]:
+        return [*self.k.values(), *self.v.values(), *self.k_scale.values(), *self.v_scale.values()]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return sum(t.numel() * t.element_size() for t in self.pools())
 
     def set_step(self, step: Step | PackedStep | None) -> None:
         self._step, self._on = step, {}
@@ -252,16 +274,25 @@ class PagedKVCache:
         return torch.cat(out)[None]
 
     def _store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kp, vp = self.k[layer_id], self.v[layer_id]
-        kp.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *kp.shape[1:]))
-        vp.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *vp.shape[1:]))
+        for pools, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            pool = pools[layer_id]
+            x = x.transpose(1, 2).reshape(-1, *pool.shape[1:])
+            if self.quantized:
+                scale = x.abs().amax(-1).float().clamp_(min=1e-12) / 127
+                scales[layer_id].index_copy_(0, slots, scale)
+                x = (x / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+            pool.index_copy_(0, slots, x)
 
     def _read(self, layer_id: int, gather: torch.Tensor, b: int):
         """Keys and values at the flattened slots `gather` of b sequences, [b, kv_heads, width, head_dim]."""
-        kp, vp = self.k[layer_id], self.v[layer_id]
-        shape = (b, -1, *kp.shape[1:])
-        return (kp.index_select(0, gather).view(shape).transpose(1, 2),
-                vp.index_select(0, gather).view(shape).transpose(1, 2))
+        out = []
+        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            pool = pools[layer_id]
+            x = pool.index_select(0, gather)
+            if self.quantized:
+                x = x.to(self.dtype) * scales[layer_id].index_select(0, gather).to(self.dtype)[..., None]
+            out.append(x.view(b, -1, *pool.shape[1:]).transpose(1, 2))
+        return tuple(out)
 
     def _packed_indices(self, device: torch.device):
         if device not in self._on:

@@ -41,7 +41,7 @@ class Sizes:
     batch: int = 1  # sequences decoded together
     context: int = 2048  # tokens per sequence (prompt + generated)
     dtype_bytes: int = 4  # weights and activations
-    kv_dtype_bytes: int = 4
+    kv_dtype_bytes: float = 4  # per key/value element, scales included (kv_cache.kv_element_bytes)
     reserve: dict = field(default_factory=lambda: dict(DEFAULT_RESERVE))
     kv_tokens: int | None = None  # the KV pool, shared by all sequences (None: batch full contexts)
     # {unit: bytes} of units whose weights stay packed (int4/int8, `io.weights.packed_unit_bytes`)
@@ -94,7 +94,7 @@ def units(cfg: LlamaConfig, dtype_bytes: int, packed: dict | None = None) -> lis
 
 
 def kv_bytes_per_layer(cfg: LlamaConfig, s: Sizes) -> int:
-    return 2 * cfg.n_kv_heads * cfg.head_dim * s.kv_dtype_bytes * s.pool_tokens
+    return int(2 * cfg.n_kv_heads * cfg.head_dim * s.kv_dtype_bytes * s.pool_tokens)
 
 
 def workspace_bytes(cfg: LlamaConfig, s: Sizes, holds_output: bool) -> int:
@@ -105,7 +105,7 @@ def workspace_bytes(cfg: LlamaConfig, s: Sizes, holds_output: bool) -> int:
     Attention scores are not counted: the fused kernels (CPU flash and CUDA SDPA) stream them.
     The device holding `output` also keeps fp32 logits for every sequence of the batch."""
     kv_dim = cfg.n_kv_heads * cfg.head_dim
-    per_token = (4 * cfg.dim + 2 * kv_dim + 3 * cfg.active_ffn_dim()) * s.dtype_bytes + 2 * kv_dim * s.kv_dtype_bytes
+    per_token = (4 * cfg.dim + 2 * kv_dim + 3 * cfg.active_ffn_dim()) * s.dtype_bytes + 2 * kv_dim * max(s.kv_dtype_bytes, s.dtype_bytes)
     tokens = max(s.context, s.batch)
     return tokens * per_token + (4 * s.batch * cfg.vocab_size if holds_output else 0)
 

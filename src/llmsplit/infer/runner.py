@@ -58,6 +58,7 @@ class PieceSpec:
     compile: bool = False  # torch.compile the one-token decode step
     tune_threads: bool = False  # choose the thread count as it decodes (llmsplit/threads.py)
     quantize: str | None = None  # io.weights.read_weight: which weights stay packed
+    kv_dtype: str | None = None  # "int8": the KV pool stores int8 with scales (kv_cache.PagedKVCache)
 
 
 def tp_shard(name: str, rank: int, size: int):
@@ -172,7 +173,7 @@ class Runner:
         self.tuner.enabled &= (spec.tune_threads and exec_device.type == "cpu" and spec.tp_size == 1
                                and not spec.layers)
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
-                                  {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype)
+                                  {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype, spec.kv_dtype)
         self._decode = self._compiled_decode() if spec.compile else None
         self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
 
@@ -209,9 +210,9 @@ class Runner:
         # pools and fused weights too; equations between those and the batch size then
         # pinned the batched graph to its first batch size (a recompile per new size). They
         # never change shape after loading: say so.
-        for i, layer in self.model.layers.items():
-            torch._dynamo.mark_static(self.cache.k[int(i)])
-            torch._dynamo.mark_static(self.cache.v[int(i)])
+        for pool in self.cache.pools():
+            torch._dynamo.mark_static(pool)
+        for layer in self.model.layers.values():
             if layer.attention.qkv is not None:
                 torch._dynamo.mark_static(layer.attention.qkv[0])
                 torch._dynamo.mark_static(layer.feed_forward.gate_up)
