@@ -163,7 +163,7 @@ def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16)
                                    offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
                                    max_context=args.max_context, max_batch_flag=serving,
                                    min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None),
-                                   quantize=args.quantize, kv_dtype=args.kv_dtype)
+                                   quantize=args.quantize, kv_dtype=args.kv_dtype, n_cpu_moe=args.n_cpu_moe or 0)
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
     print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1

@@ -184,10 +184,10 @@ def infer_failure(error: BaseException, where: str) -> InferFailure:
 def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memory, offload_dir, dtype,
                           max_batch: int, max_context: int | None, max_batch_flag: bool,
                           min_context: int = 16, kv_tokens: int | None = None,
-                          quantize: str | None = None, kv_dtype: str | None = None) -> dict:
+                          quantize: str | None = None, kv_dtype: str | None = None, n_cpu_moe: int = 0) -> dict:
     """`explain_infer_oom` (its report) for `failure` of `llmsplit.load(model, ...)` with these
     arguments, on the memory budgets as they are once the failed load is gone. Call it after
-    leaving the `except` block (see `InferFailure`)."""
+    leaving the `except` block (see `InferFailure`). `n_cpu_moe`: --n-cpu-moe's experts in CPU memory."""
     import gc
 
     import torch
@@ -202,6 +202,7 @@ def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memor
     source = open_weights(model)
     _, sizes = run_sizes(source, dtype, max_batch, max_context, kv_tokens=kv_tokens, quantize=quantize,
                          kv_dtype=kv_dtype)
+    sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
                              placement_mode(device_map), failure.measured, offload_dir=offload_dir,
@@ -223,7 +224,7 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
 
     exec_device = next((d for d in budgets if kind(d) not in ("cpu", "disk")), "cpu")
     on_one = {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}
-    whole = usage_by_device(cfg, on_one, exec_device, sizes)[exec_device]
+    whole = usage_by_device(cfg, on_one, exec_device, replace(sizes, cpu_moe_layers=0))[exec_device]  # all there
     scale = 1.0
     if failure is not None:
         try:
