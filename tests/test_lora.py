@@ -38,6 +38,20 @@ def test_adapters_start_as_the_base_and_only_they_train():
     assert model.layers["0"].attention.wq.lora_a.grad.abs().sum() > 0
 
 
+def test_a_checkpoint_of_a_tied_model_holds_the_adapters_only():
+    """A tied head is the frozen embedding under a second name, which torch's ignore_frozen_params
+    kept: SmolLM2's LoRA runs saved it as trained, and their generate/serve/export refused them."""
+    from dataclasses import replace
+
+    from llmsplit.train.checkpoint import _model_state
+
+    model = Transformer(replace(CFG, tie_embeddings=True))
+    apply_lora(model, rank=4, alpha=8, dropout=0.0, targets=["q", "v"])
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sorted(_model_state(model)) == sorted(f"layers.{i}.attention.w{m}.lora_{x}" for i in range(2)
+                                                 for m in "qv" for x in "ab")
+
+
 @pytest.mark.parametrize("sets, fragment", [
     (["lora.rank=-1"], "lora.rank=-1 must be at least 0"),
     (["lora.rank=8", "lora.targets=q,x"], "comma-separated list of: q, k, v, o, gate, up, down"),

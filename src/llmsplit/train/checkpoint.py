@@ -35,6 +35,7 @@ from ..io import dcp_files
 from ..io.checksums import file_records
 from ..io.disk_full import writing
 from ..io.run_dir import METADATA_FILE, STATE_FILE, list_checkpoints
+from ..models.llama import plain_name
 from ..models.weight_shapes import shape_mismatch
 from ..parallel.data_parallel import local_optimizer
 
@@ -45,6 +46,17 @@ _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 # Frozen parameters (the base under LoRA) are not saved: they come from the seed or model.hf
 # again, and a checkpoint holds only what training changed (adapters and their optimizer state).
 _MODEL = StateDictOptions(ignore_frozen_params=True)
+
+
+def _model_state(model) -> dict:
+    """The model state a checkpoint holds: the trained parameters (a LoRA run's adapters only).
+    torch's ignore_frozen_params misses a frozen parameter reached under a second name, a tied
+    head (`output.weight` is `tok_embeddings.weight`: named_parameters lists it once), so a LoRA
+    run on a tied model saved the frozen embedding as if trained, and no reader took it as
+    adapters; frozen names are dropped here under every name."""
+    state = get_model_state_dict(model, options=_MODEL)
+    frozen = {plain_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: t for name, t in state.items() if name not in frozen}
 
 
 def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int) -> Path:
@@ -58,7 +70,7 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
             ck_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
     dist.barrier()
-    state = {"model": get_model_state_dict(model, options=_MODEL), "optim": _optim_state(model, optimizer)}
+    state = {"model": _model_state(model), "optim": _optim_state(model, optimizer)}
     with writing(tmp, doing), dcp_files.plain_errors(doing):
         dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
@@ -129,7 +141,7 @@ def _without_empty_groups(optimizer):
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model and optimizer state in place; returns the trainer state."""
     path = Path(path)
-    state = {"model": get_model_state_dict(model, options=_MODEL), "optim": _optim_state(model, optimizer)}
+    state = {"model": _model_state(model), "optim": _optim_state(model, optimizer)}
     dcp_files.load(state, path)  # never unpickles code from the checkpoint
     frozen = any(not p.requires_grad for p in model.parameters())
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not frozen))
