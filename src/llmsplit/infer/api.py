@@ -134,10 +134,12 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                                                 quantize, compile, kv_dtype)
     max_context = sizes.context
     if n_cpu_moe:
-        if not cfg.n_experts or n_cpu_moe < 0 or tp > 1 or pp > 1:
-            raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of that many mixture-of-experts layers in "
-                              f"CPU memory, in one process: it needs a MoE model (model.n_experts="
-                              f"{cfg.n_experts}), a positive count and no --tp/--pp")
+        why = ("this model has no experts (model.n_experts=0); drop it" if not cfg.n_experts else
+               "it must be a positive count" if n_cpu_moe < 0 else
+               "it places experts in one process; drop --tp/--pp" if tp > 1 or pp > 1 or nodes.nnodes > 1 else None)
+        if why:
+            raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU memory, "
+                              f"and {why}")
         sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
     if lora and (tp > 1 or pp > 1 or compile):  # (a compiled graph would not see the adapters' hooks)
         raise ConfigError("--lora serves adapters over an eager model in one process in this version; drop "
