@@ -42,10 +42,12 @@ def test_gpu_script_refuses_a_machine_without_cuda_and_dry_runs_on_the_cpu(capsy
     assert len(rows) == 2, out
     # MFU is tokens/s times one constant for one model and sequence length (FLOPs per token ÷
     # the device's peak), whatever the layout: both rows give the same ratio, up to the
-    # printed rounding (3 significant digits of MFU).
+    # printed rounding: 3 significant digits of MFU (up to 0.5% each) and whole tokens/s, which
+    # is coarse when a loaded machine trains at a few dozen tokens/s.
     (tps_a, mfu_a), (tps_b, mfu_b) = [(float(row.split("|")[3]), float(row.split("|")[4].strip(" %")))
                                       for row in rows]
     assert tps_a > 0 and tps_b > 0
-    assert mfu_a / tps_a == pytest.approx(mfu_b / tps_b, rel=0.01)
+    rounding = 0.011 + 0.5 / tps_a + 0.5 / tps_b
+    assert mfu_a / tps_a == pytest.approx(mfu_b / tps_b, rel=rounding)
     assert not (tmp_path / "b.md").exists()  # a dry run appends nothing
     assert "RANK" not in os.environ  # the in-process run leaves no torchrun environment behind
