@@ -297,3 +297,20 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
         torch.testing.assert_close(split.logits(ids), m.logits(ids), atol=1e-5, rtol=0)
     finally:
         split.close()
+
+
+@pytest.mark.slow
+def test_lora_adapts_attention_of_a_moe_model_under_expert_parallel(tmp_path):
+    """LoRA on a MoE model adapts q, k, v, o (the experts are stacked weights, not nn.Linear:
+    gate/up/down refused in one sentence); ep 2 on 2 workers logs one process's losses, and the
+    planner counts the frozen experts without gradients or optimizer state."""
+    sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=3",
+            "train.warmup_steps=1", "train.lr=1e-2", "lora.rank=4"]
+    proc = run_cli("train", "--run-dir", str(tmp_path / "mlp"), *[a for s in sets for a in ("--set", s)], check=False)
+    assert proc.returncode == 2 and "adapts gate, up, down, and this model's MLPs are mixtures of experts" in proc.stderr
+    sets.append("lora.targets=q,k,v,o")
+    train(tmp_path / "one", *sets)
+    train(tmp_path / "ep2", *sets, "parallel.ep=2", nproc=2)
+    assert_close_losses(losses(tmp_path / "ep2"), losses(tmp_path / "one"))
+    check = json.loads((tmp_path / "ep2" / "summary.json").read_text())["plan_check"]
+    assert abs(check["ratio_model_state"] - 1) < 0.01, check

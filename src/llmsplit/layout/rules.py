@@ -134,13 +134,12 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
                           f"parallel.ep in {', '.join(map(str, divisors(shard)))}")
     # Refused: ZeRO-1 broadcasts every updated parameter over all of dp with c10d, which has no
     # sharding rule for the experts' DTensors (NotImplementedError at the first step) and would
-    # mix the experts of different ep ranks; LoRA, offload and fp16 untried.
-    lora = work.lora_rank if work is not None else 0
+    # mix the experts of different ep ranks; offload and fp16 untried. (LoRA adapts attention
+    # only in MoE models, train/api.check_moe_training, and runs under ep.)
     precision = work.precision if work is not None else "fp32"
     for bad, name, value, fix in ((layout.zero == 1, "parallel.zero", layout.zero, "parallel.zero=0, 2 or 3"),
                                   (precision == "fp16", "train.precision", precision, 'train.precision="bf16"'),
-                                  (layout.offload != "none", "memory.offload", layout.offload, 'memory.offload="none"'),
-                                  (lora > 0, "lora.rank", lora, "lora.rank=0")):
+                                  (layout.offload != "none", "memory.offload", layout.offload, 'memory.offload="none"')):
         if bad:
             raise ConfigError(f"parallel.ep={ep} does not combine with {name}={value!r} yet; set {fix} or "
                               f"parallel.ep=1")

@@ -247,7 +247,8 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     quantized = quantized_base_params(cfg, work, sp_["n_layers"])
     states = model_state_bytes(n_params - experts, layout.zero, layout.shard, adapters if work.lora_rank else None,
                                quantized, work.lora_base)
-    states = {k: v + model_state_bytes(experts, 0, 1)[k] for k, v in states.items()}
+    frozen = 0 if work.lora_rank else None  # LoRA freezes the experts with the rest of the base
+    states = {k: v + model_state_bytes(experts, 0, 1, frozen)[k] for k, v in states.items()}
     host = 0
     if layout.offload == "cpu":
         # FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer state live on the host.

@@ -189,6 +189,12 @@ def check_moe_training(job: TrainJob) -> None:
             raise ConfigError(f"train.moe_bias_rate={t.moe_bias_rate} balances mixture-of-experts layers and this "
                               f"model has none (model.n_experts=0); set train.moe_bias_rate=0")
         job.model_cfg.router_bias = True  # the bias it moves; config.toml records it with the sizes
+    lora, n = job.cfg.lora, job.model_cfg.n_experts
+    mlp = [t.strip() for t in lora.targets.split(",") if t.strip() in ("gate", "up", "down")]
+    if lora.rank and n and mlp:  # adapters wrap nn.Linear layers; experts are stacked 3-D weights
+        raise ConfigError(f"lora.targets={lora.targets!r} adapts {', '.join(mlp)}, and this model's MLPs are "
+                          f"mixtures of experts (model.n_experts={n}) without such layers; set "
+                          f"lora.targets=\"q,k,v,o\"")
 
 
 def check_job(job: TrainJob) -> None:
