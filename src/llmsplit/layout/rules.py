@@ -134,8 +134,9 @@ def _check_expert_parallel(model: LlamaConfig | None, layout: Layout, work: Work
                           f"parallel.ep in {', '.join(map(str, divisors(shard)))}")
     # Refused: ZeRO-1 broadcasts every updated parameter over all of dp with c10d, which has no
     # sharding rule for the experts' DTensors (NotImplementedError at the first step) and would
-    # mix the experts of different ep ranks; offload and fp16 untried. (LoRA adapts attention
-    # only in MoE models, train/api.check_moe_training, and runs under ep.)
+    # mix the experts of different ep ranks; fp16's GradScaler unscales every gradient in one
+    # foreach call, which takes DTensors or plain tensors, not both (RuntimeError at step 1);
+    # offload untried. (LoRA adapts attention only in MoE models, train/api.check_moe_training.)
     precision = work.precision if work is not None else "fp32"
     for bad, name, value, fix in ((layout.zero == 1, "parallel.zero", layout.zero, "parallel.zero=0, 2 or 3"),
                                   (precision == "fp16", "train.precision", precision, 'train.precision="bf16"'),
