@@ -1,0 +1,97 @@
+"""CPU time per decoded token at batch 1: llmsplit packed and fp32 against llama.cpp on the same
+GGUF file, and where llmsplit's packed step goes (torch.profiler, the int4 kernel per shape).
+
+`python -m benchmarks.decode_cpu --gguf FILE.gguf [--rounds 2] [--threads 1] [--profile]`
+
+CPU time, not wall time: on a machine whose other tenants hold the load above its cores, the
+same run's tokens/s moves 4x between minutes, its CPU time much less. Ours: `time.process_time`
+around `generate` (128 new tokens after an 8-token prompt, minus a 1-token run); llama.cpp:
+the rusage of `llama-bench -p 0 -n 144` minus `-n 16` (load, warm-up and the first tokens
+cancel). Rounds alternate; each row prints as it is measured, with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .llama_cpp import BIN
+
+NEW = 128
+
+
+def llama_cpp_ms(path: str, threads: int) -> float:
+    def cpu(n: int) -> float:
+        proc = subprocess.Popen([str(BIN / "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(n),
+                                 "-r", "1", "--repack", "0", "-o", "json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        json.loads(proc.stdout.read())
+        _, _, usage = os.wait4(proc.pid, 0)
+        return usage.ru_utime + usage.ru_stime
+
+    return (cpu(NEW + 16) - cpu(16)) / NEW * 1e3
+
+
+def ours_ms(path: str, quantize: str | None, profile: bool = False) -> float:
+    import llmsplit
+
+    m = llmsplit.load(path, max_context=640, max_batch=1, prefix_caching=False, quantize=quantize)
+    prompt = m.tokenizer.encode("The history of the city of Rome begins")[:8]
+
+    def cpu(n: int) -> float:
+        start = time.process_time()
+        m.generate(prompt, max_new_tokens=n, ignore_eos=True)
+        return time.process_time() - start
+
+    cpu(4)  # warm
+    ms = (cpu(NEW + 1) - cpu(1)) / NEW * 1e3
+    if profile:
+        _profile(m, prompt)
+    return ms
+
+
+def _profile(m, prompt, n: int = 64) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        m.generate(prompt, max_new_tokens=n, ignore_eos=True)
+    events = prof.key_averages(group_by_input_shape=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    kernel = [e for e in events if e.key == "aten::_weight_int4pack_mm_for_cpu"]
+    print(f"profile, {n} tokens: {sum(e.count for e in events) / n:.0f} ops a token; int4 kernel "
+          f"{sum(e.self_cpu_time_total for e in kernel) / total:.0%} of the ops' self time", flush=True)
+    for e in sorted(kernel, key=lambda e: -e.self_cpu_time_total):
+        print(f"  int4 {e.input_shapes[:2]}: {e.count / n:.1f} calls a token, "
+              f"{e.self_cpu_time_total / total:.1%}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="also profile the packed step (last round)")
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    rows = {"llama.cpp": lambda last: llama_cpp_ms(a.gguf, a.threads),
+            "llmsplit packed": lambda last: ours_ms(a.gguf, None, a.profile and last),
+            "llmsplit fp32": lambda last: ours_ms(a.gguf, "none")}
+    if not (BIN / "llama-bench").exists():
+        print(f"llama-bench not found in {BIN}: llama.cpp's row is left out", file=sys.stderr)
+        del rows["llama.cpp"]
+    for r in range(a.rounds):
+        for name in (list(rows) if r % 2 == 0 else list(reversed(rows))):
+            ms = rows[name](r == a.rounds - 1)
+            print(f"round {r + 1} {name}: {ms:.2f} ms CPU a token ({1e3 / ms:.1f} tokens per CPU-second), "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
