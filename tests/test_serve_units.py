@@ -386,6 +386,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(fol
         llmsplit.load(folder, max_batch=2, max_num_batched_tokens=1)
 
 
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(folder, monkeypatch):
+    """Shortest first, but a context that waited while STARVE_TOKENS (here 64) tokens of
+    others were filled goes first: a 100-token prompt under a new 12-token prompt every step."""
+    import llmsplit.infer.engine as engine
+
+    monkeypatch.setattr(engine, "STARVE_TOKENS", 64)
+    m = llmsplit.load(folder, max_batch=16, max_context=128, max_num_batched_tokens=16)
+    e = m.engine
+    long_one = e.new_sequence([3 + i % 200 for i in range(100)], SamplingParams(1, ignore_eos=True))
+    e.add(long_one)
+    steps = 0
+    while not long_one.tokens:  # (each short one is done the step after it is filled: a batch slot frees)
+        e.add(e.new_sequence([5 + (steps + j) % 250 for j in range(12)], SamplingParams(1, ignore_eos=True)))
+        e.step()
+        steps += 1
+        assert steps < 40, "the long prompt was starved"
+    # Alone it takes 7 steps of 16; waits of 64 tokens at most between its chunks bound it.
+    assert steps <= 7 * (1 + 64 // 12 + 1), steps
+
+
 def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypatch):
     """Each step is one forward: prompts arriving together are prefilled side by side, packed
     in one row with the running sequences' decode tokens, under --max-num-batched-tokens;
@@ -404,14 +424,19 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
     seqs = [e.new_sequence(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, news)]
     for seq in seqs[:2]:
         e.add(seq)
-    steps = 0
+    steps, first = 0, {}
     while e.busy or steps < 3:
         if steps == 3:  # the first two are decoding by now; four more arrive together
             for seq in seqs[2:]:
                 e.add(seq)
         e.step()
         steps += 1
+        first.update({s.id: steps for s in seqs if s.tokens and s.id not in first})
     assert len(forwards) == steps  # one forward a step, never a chunk on its own
+    # The shortest of those arriving together are filled first (prompts of 17, 33, 90, 120 tokens).
+    arrived = [seqs[i] for i in (3, 4, 2, 5)]
+    assert [first[s.id] for s in arrived] == sorted(first[s.id] for s in arrived), first
+    assert first[seqs[3].id] < first[seqs[2].id], first
     assert max(n for n, _ in forwards) <= 64
     assert max(parts for _, parts in forwards) >= 3  # the decodes and two prompts' chunks at least
     whole = llmsplit.load(folder, max_batch=1, max_context=256)

@@ -28,6 +28,11 @@ from .grammar import Grammar, mask_logits
 from .kv_cache import BlockPool, PackedStep
 
 
+# Tokens of other contexts a context being filled may wait behind before it goes first (at
+# ~2,000 prompt tokens/s on 2 CPU cores for SmolLM2-135M, about 8 s).
+STARVE_TOKENS = 16384
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 32
@@ -69,6 +74,7 @@ class Sequence:
     filled: int = 0  # tokens of `filling` in the cache so far
     matcher: object = None  # where its grammar stands (structured output), else None
     adapter: int = 0  # the served LoRA adapter it runs with (Runner.serve_adapters), 0: the base
+    passed_over: int = 0  # tokens of others computed since its filling last got a chunk (_plan_chunks)
 
     @property
     def length(self) -> int:
@@ -129,15 +135,24 @@ class Engine:
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, tokens) of the contexts being filled that this step computes, up
-        to `budget` tokens, oldest sequence first, each chunk after what its cache already
-        holds (a cached prefix, the chunks before)."""
-        chunks = []
-        for seq in [s for s in self.running if s.filling is not None]:
+        to `budget` tokens, each chunk after what its cache already holds (a cached prefix,
+        the chunks before). The fewest tokens left to fill first (shortest remaining first,
+        which minimises the mean time to first token: benchmarks/serve.py's 32 prompts of
+        16-1,024 tokens arriving together under a 512-token budget get their median first
+        token after 6,656 tokens computed, against 11,776 oldest first), the oldest among equals; one that has waited while STARVE_TOKENS
+        tokens of others were computed goes first, so a long prompt under a stream of short
+        ones is still filled."""
+        filling = [s for s in self.running if s.filling is not None]
+        order = sorted(filling, key=lambda s: (s.passed_over < STARVE_TOKENS, len(s.filling) - s.filled))
+        chunks, spent = [], budget
+        for seq in order:
             if budget <= 0:
                 break
             n = min(len(seq.filling) - seq.filled, budget)
             chunks.append((seq, seq.filled, n))
             budget -= n
+        for seq in filling:
+            seq.passed_over = 0 if any(c[0] is seq for c in chunks) else seq.passed_over + spent - budget
         return chunks
 
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
