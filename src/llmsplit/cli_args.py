@@ -139,7 +139,7 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=COUNT, default=None, metavar="N",
                    help="tokens one step computes at most, the batch's decodes first and then chunks of the "
                         "prompts being filled, so that a long prompt never stalls the streams already running "
-                        "(default: no limit, each prompt in one go)")
+                        "(default 512, or --max-batch if larger: the chunk size that computed prompts fastest)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN",
                    help="serve a LoRA run's adapters over --model as the model NAME (repeatable): a request's "
                         "\"model\" picks an adapter or the base, and requests for all of them are batched together "
