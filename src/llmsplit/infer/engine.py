@@ -143,20 +143,22 @@ class Engine:
         the chunks before). The fewest tokens left to fill first (shortest remaining first,
         which minimises the mean time to first token: benchmarks/serve.py's 32 prompts of
         16-1,024 tokens arriving together under a 512-token budget get their median first
-        token after 6,656 tokens computed, against 11,776 oldest first), the oldest among equals; one that has waited while STARVE_TOKENS
-        tokens of others were computed goes first, so a long prompt under a stream of short
-        ones is still filled."""
+        token after 6,656 tokens computed, against 11,776 oldest first), the oldest among
+        equals; one that has waited while STARVE_TOKENS tokens of others were computed goes
+        first, so a long prompt under a stream of short ones is still filled."""
         filling = [s for s in self.running if s.filling is not None]
         order = sorted(filling, key=lambda s: (s.passed_over < STARVE_TOKENS, len(s.filling) - s.filled))
-        chunks, spent = [], budget
+        chunks = []
         for seq in order:
             if budget <= 0:
                 break
             n = min(len(seq.filling) - seq.filled, budget)
             chunks.append((seq, seq.filled, n))
             budget -= n
+        computed = sum(n for _, _, n in chunks)
+        chunked = {seq.id for seq, _, _ in chunks}
         for seq in filling:
-            seq.passed_over = 0 if any(c[0] is seq for c in chunks) else seq.passed_over + spent - budget
+            seq.passed_over = 0 if seq.id in chunked else seq.passed_over + computed
         return chunks
 
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
