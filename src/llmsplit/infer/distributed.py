@@ -59,7 +59,7 @@ class SplitSpec:
 
     def device(self, rank: int) -> str:
         """The device of worker `rank`: its own GPU when its machine has one per local worker, else the CPU."""
-        per_node = self.world // self.nodes.nnodes
+        per_node = self.nodes.per_node(self.world)
         return rank_device(rank % per_node, per_node)
 
 

@@ -46,9 +46,13 @@ class Nodes:
         if self.nnodes > 1 and resolve:
             check_master_addr(self.master_addr, self.master_port)
 
+    def per_node(self, world: int) -> int:
+        """The ranks each node holds of a job of `world` ranks."""
+        return world // self.nnodes
+
     def ranks(self, world: int) -> range:
         """The ranks this node holds."""
-        per_node = world // self.nnodes
+        per_node = self.per_node(world)
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
