@@ -77,3 +77,14 @@ def test_sequences_of_different_lengths_decode_together(kv_dtype, atol):
         torch.testing.assert_close(out[row, 0], full[i][p], atol=atol, rtol=0)
     if kv_dtype:  # 16 int8 values and a float32 scale a (token, head) against 16 float32 values
         assert cache.nbytes() == 2 * CFG.n_layers * 16 * 4 * CFG.n_kv_heads * (CFG.head_dim + 4)
+
+
+def test_decodes_are_grouped_by_length_to_read_the_fewest_key_slots():
+    pool = BlockPool(num_blocks=512, block_size=16)
+    lengths = {1: 1000, 2: 990, 3: 20, 4: 10, 5: 1000}
+    pool.lengths.update(lengths)  # all by_length reads
+    # One part would read 5 x 1000 slots; two parts 3 x 1000 + 2 x 20 + one part's cost.
+    assert pool.by_length([3, 1, 4, 2, 5]) == [[1, 5, 2], [3, 4]]
+    assert pool.by_length([3, 4]) == [[3, 4]]  # 20 slots saved would not pay for a second part
+    assert pool.by_length([2]) == [[2]]
+    assert pool.by_length([]) == []

@@ -117,7 +117,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
 class Engine:
     def __init__(self, runner, tokenizer, eos_ids: set[int], num_blocks: int, block_size: int,
                  max_batch: int, max_context: int, prefix_caching: bool = True,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, one_decode_batch: bool = False):
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
@@ -127,6 +127,7 @@ class Engine:
         # Tokens one step computes at most (decodes first, then prefill chunks): a long prompt
         # is then filled over several steps while the running sequences keep their pace.
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, max_batch)
+        self.one_decode_batch = one_decode_batch  # decodes in one part (a compiled graph's shape), else by length
         self._next_id = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -161,20 +162,27 @@ class Engine:
             seq.passed_over = 0 if seq.id in chunked else seq.passed_over + computed
         return chunks
 
-    def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-        """One forward for the step: each decoding sequence's newest token and every chunk,
-        packed in one row when there are chunks (the weights are read once for all of them);
-        logits [len(decoding) + len(chunks), vocab] of each one's last token."""
-        for s in decoding:
-            self.pool.append(s.id, 1)
-        decode = self.pool.step([s.id for s in decoding], 1) if decoding else None
+    def _decode_groups(self, decoding: list[Sequence]) -> list[list[Sequence]]:
+        """A compiled decode graph takes one batch; eager, sequences of similar lengths attend together."""
+        if not decoding or self.one_decode_batch:
+            return [decoding] if decoding else []
+        by_id = {s.id: s for s in decoding}
+        return [[by_id[i] for i in g] for g in self.pool.by_length(list(by_id))]
+
+    def _forward(self, groups: list[list[Sequence]], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """One forward for the step: each decoding sequence's newest token (in `groups` of
+        similar lengths, `BlockPool.by_length`) and every chunk, packed in one row when there
+        are several parts (the weights are read once for all of them); logits
+        [decoding sequences + len(chunks), vocab] of each one's last token, in that order."""
+        decoding = [s for g in groups for s in g]
+        decodes = [self.pool.step([s.id for s in g], 1) for g in groups]
         # The adapter of every token, in the row order of the forward (None: all on the base).
         adapters = [s.adapter for s in decoding] + [seq.adapter for seq, _, n in chunks for _ in range(n)]
         adapters = torch.tensor(adapters) if any(adapters) else None
-        if not chunks:  # decodes alone: the shape a compiled decode graph takes
+        if not chunks and len(decodes) == 1:  # one batch of decodes: the shape a compiled decode graph takes
             tokens = torch.tensor([[s.tokens[-1]] for s in decoding])
-            return self.runner.forward(tokens, decode, last_only=True, adapters=adapters)[:, -1].float()
-        parts = [decode] if decoding else []
+            return self.runner.forward(tokens, decodes[0], last_only=True, adapters=adapters)[:, -1].float()
+        parts = decodes
         tokens = [s.tokens[-1] for s in decoding]
         for seq, start, n in chunks:
             parts.append(self.pool.chunk(seq.id, start, n))
@@ -242,7 +250,11 @@ class Engine:
         chunks = self._plan_chunks(self.max_num_batched_tokens - len(decoding))
         if not (decoding or chunks):
             return finished
-        logits = self._forward(decoding, chunks)
+        for s in decoding:
+            self.pool.append(s.id, 1)
+        groups = self._decode_groups(decoding)
+        decoding = [s for g in groups for s in g]
+        logits = self._forward(groups, chunks)
         sampling, rows = list(decoding), list(range(len(decoding)))
         for row, (seq, start, n) in enumerate(chunks, len(decoding)):
             seq.filled = start + n
