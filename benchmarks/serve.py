@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .infer import _random_llama, _smollm_gguf
 
-TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, fp32, 2 threads)"
+TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, 2 threads)"
 BUDGET = 512  # llmsplit's --max-num-batched-tokens here
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
@@ -189,7 +189,8 @@ def main(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         gguf = None if quick else _smollm_gguf(tmp)
-        model, label, vocab = ((gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)", 49152)
+        model, label, vocab = ((gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF: llmsplit keeps it packed, the previous "
+                                      "engine widens it to fp32, llama-server runs it as it is)", 49152)
                                if gguf is not None else (_random_llama(tmp), "random Llama, 4 layers, dim 256", 300))
         here = Path(__file__).resolve().parent.parent / "src"
         # A step's budget: the running streams keep their pace while the 32 prompts fill, oldest first.
