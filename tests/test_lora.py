@@ -38,6 +38,42 @@ def test_adapters_start_as_the_base_and_only_they_train():
     assert model.layers["0"].attention.wq.lora_a.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpu_lora_matmul_gives_the_float64_products_and_gradients(bias):
+    """A float32 CPU LoRA layer computes through _LoRAMatmul (oneDNN, backward by hand): its output
+    and the gradients of its input, bias and adapters are float64 autograd's; the frozen weight
+    gets none. With dropout in training it takes the composed path (dropout's mask is F.dropout's)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN: LoRA layers take the composed path")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=bias)
+    layer.requires_grad_(False)
+    layer.register_parameter("lora_a", torch.nn.Parameter(torch.randn(8, 64) * 0.1))
+    layer.register_parameter("lora_b", torch.nn.Parameter(torch.randn(48, 8) * 0.1))
+    layer.__class__, layer.lora_scale = LoRALinear, 2.0
+    if bias:
+        layer.bias.requires_grad_(True)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    out = layer(x)
+    assert type(out.grad_fn).__name__ == "_LoRAMatmulBackward"
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    wide = {n: t.detach().double().requires_grad_() for n, t in
+            (("x", x), ("a", layer.lora_a), ("b", layer.lora_b)) + ((("bias", layer.bias),) if bias else ())}
+    want = torch.nn.functional.linear(wide["x"], layer.weight.double(), wide.get("bias")) + \
+        (wide["x"] @ wide["a"].T @ wide["b"].T) * 2.0
+    want.backward(grad.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    for name, got in (("x", x.grad), ("a", layer.lora_a.grad), ("b", layer.lora_b.grad)) + \
+            ((("bias", layer.bias.grad),) if bias else ()):
+        torch.testing.assert_close(got.double(), wide[name].grad, rtol=1e-5, atol=1e-6)
+    assert layer.weight.grad is None
+    layer.lora_dropout = 0.1
+    assert type(layer(x).grad_fn).__name__ != "_LoRAMatmulBackward"
+    layer.eval()
+    assert type(layer(x).grad_fn).__name__ == "_LoRAMatmulBackward"
+
+
 def test_a_checkpoint_of_a_tied_model_holds_the_adapters_only():
     """A tied head is the frozen embedding under a second name, which torch's ignore_frozen_params
     kept: SmolLM2's LoRA runs saved it as trained, and their generate/serve/export refused them."""
