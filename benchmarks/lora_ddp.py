@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .finetune import FULL, WARMUP, llama_folder, run_llmsplit, run_plain
 
-RANK, ROUNDS, STEPS, NPROC = 16, 2, 6, 2
+RANK, ROUNDS, STEPS, NPROC = 16, 4, 6, 2
 SHAPE = dict(global_batch=8, micro_batch=4, seq_len=256)
 
 

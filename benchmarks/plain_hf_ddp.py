@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--lora-rank", type=int, default=0, help="train PEFT LoRA adapters of this rank on every "
                     "linear layer (alpha 16), the base frozen (needs peft importable)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile-dir", help="write a torch.profiler trace of step 3 (after the warm-up) per rank here")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -56,6 +57,10 @@ def main():
     n_micro = per_rank // args.micro_batch
     times, losses = [], []
     for step in range(args.steps):
+        prof = None
+        if args.profile_dir and step == 2:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.start()
         t0 = time.perf_counter()
         batch = sampler.rank_batch(step, rank, world)
         loss_sum = torch.zeros(())
@@ -73,6 +78,10 @@ def main():
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
         times.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.stop()
+            os.makedirs(args.profile_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.profile_dir, f"rank{rank}.pt.trace.json"))
     with open("/proc/self/status") as f:  # the process's peak resident size, as llmsplit reports on a CPU
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     peaks = [None] * world
