@@ -1,13 +1,16 @@
 """CPU time per decoded token at batch 1: llmsplit packed and fp32 against llama.cpp on the same
 GGUF file, and where llmsplit's packed step goes (torch.profiler, the int4 kernel per shape).
 
-`python -m benchmarks.decode_cpu --gguf FILE.gguf [--rounds 2] [--threads 1] [--profile]`
+`python -m benchmarks.decode_cpu --gguf FILE.gguf [--rounds 2] [--threads 1] [--compile] [--profile]`
 
 CPU time, not wall time: on a machine whose other tenants hold the load above its cores, the
 same run's tokens/s moves 4x between minutes, its CPU time much less. Ours: `time.process_time`
 around `generate` (128 new tokens after an 8-token prompt, minus a 1-token run); llama.cpp:
 the rusage of `llama-bench -p 0 -n 144` minus `-n 16` (load, warm-up and the first tokens
 cancel). Rounds alternate; each row prints as it is measured, with the load average.
+`--compile` adds the compiled rows (`llmsplit.load(compile=True)`, packed and fp32): their
+compile happens at load, outside the measured CPU time (the first load of each compiles for
+minutes; later ones read torch's on-disk cache).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ def llama_cpp_ms(path: str, threads: int) -> float:
     return (cpu(NEW + 16) - cpu(16)) / NEW * 1e3
 
 
-def ours_ms(path: str, quantize: str | None, profile: bool = False) -> float:
+def ours_ms(path: str, quantize: str | None, profile: bool = False, compile: bool = False) -> float:
     import llmsplit
 
-    m = llmsplit.load(path, max_context=640, max_batch=1, prefix_caching=False, quantize=quantize)
+    m = llmsplit.load(path, max_context=640, max_batch=1, prefix_caching=False, quantize=quantize, compile=compile)
     prompt = m.tokenizer.encode("The history of the city of Rome begins")[:8]
 
     def cpu(n: int) -> float:
@@ -75,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="also profile the packed step (last round)")
+    p.add_argument("--compile", action="store_true", help="also measure the compiled packed and fp32 steps")
     a = p.parse_args(argv)
     import torch
 
@@ -82,6 +86,9 @@ def main(argv=None) -> int:
     rows = {"llama.cpp": lambda last: llama_cpp_ms(a.gguf, a.threads),
             "llmsplit packed": lambda last: ours_ms(a.gguf, None, a.profile and last),
             "llmsplit fp32": lambda last: ours_ms(a.gguf, "none")}
+    if a.compile:
+        rows["llmsplit packed compiled"] = lambda last: ours_ms(a.gguf, None, compile=True)
+        rows["llmsplit fp32 compiled"] = lambda last: ours_ms(a.gguf, "none", compile=True)
     if not (BIN / "llama-bench").exists():
         print(f"llama-bench not found in {BIN}: llama.cpp's row is left out", file=sys.stderr)
         del rows["llama.cpp"]

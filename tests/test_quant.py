@@ -73,7 +73,7 @@ def test_quantize_at_load_holds_the_packed_bytes(folder, mode):
     expected, weights = 0, {}
     for name, p in m.runner.model.named_parameters():  # the tied head is the embedding: counted once
         if isinstance(p, PackedWeight):  # the fused q/k/v and gate/up weights, once for their views
-            weights[id(p if p.base is None else p.base)] = p if p.base is None else p.base
+            weights[p.packed.data_ptr()] = p if p.base is None else p.base
         else:
             expected += p.numel() * 4
     for p in weights.values():
@@ -132,6 +132,27 @@ def test_placement_counts_the_packed_bytes(folder, tmp_path):
     with pytest.raises(ConfigError):
         llmsplit.load(path, quantize="none", max_context=32, max_memory={"cpu": budget})
     assert set(llmsplit.load(path, max_context=32, max_memory={"cpu": budget}).device_map.values()) == {"cpu"}
+
+
+@pytest.mark.slow
+def test_compiled_packed_decode(folder):
+    """compile=True keeps the weights packed (int4 layers, the int8 embedding/head: both
+    kernels in the graph): the two decode graphs compile at load, give eager packed's tokens
+    one at a time and batched, and other batch sizes and positions compile nothing more."""
+    from torch._dynamo.utils import counters
+
+    from llmsplit.infer.engine import SamplingParams
+
+    counters.clear()
+    compiled = llmsplit.load(folder, compile=True, quantize="int4", max_context=96, max_batch=3)
+    assert counters["stats"]["unique_graphs"] == 2
+    eager = llmsplit.load(folder, quantize="int4", max_context=96, max_batch=3)
+    assert _packed_names(compiled) == _packed_names(eager) and "tok_embeddings.weight" in _packed_names(compiled)
+    for requests in ([([5, 9, 30], 24)], [([7] * 40, 9), ([8, 2], 30)], [([3, 4], 5), ([9] * 20, 12), ([11], 25)]):
+        got, want = ([s.tokens for s in m.engine.generate([m.engine.new_sequence(p, SamplingParams(n, ignore_eos=True))
+                                                          for p, n in requests])] for m in (compiled, eager))
+        assert got == want
+    assert counters["stats"]["unique_graphs"] == 2, "a request compiled a graph after load"
 
 
 @pytest.mark.slow

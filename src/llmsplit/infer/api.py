@@ -131,7 +131,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     source = source if source is not None else open_weights(path, what="model path")
     cfg = source.config
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, compile, kv_dtype)
+                                                quantize, kv_dtype)
     max_context = sizes.context
     if n_cpu_moe:
         why = ("this model has no experts (model.n_experts=0); drop it" if not cfg.n_experts else
@@ -191,7 +191,7 @@ def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: 
                  f"{nodes.master_addr}:{nodes.master_port}, which serves")
     source = open_weights(path, what="model path")
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, placement.get("compile", False), placement.get("kv_dtype"))
+                                                quantize, placement.get("kv_dtype"))
     keys = ("device_map", "max_memory", "offload_dir", "compile", "kv_dtype")
     spec = _split(path, source.config, tp, pp, dtype, num_blocks, block_size, sizes.context, quantize, nodes,
                   **{k: placement[k] for k in keys if k in placement})
@@ -199,11 +199,11 @@ def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: 
     follow_node(spec)
 
 
-def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize, compile: bool,
+def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize,
            kv_dtype: str | None = None):
     """(quantize mode, compute dtype, placement `Sizes`, KV pool blocks) of a load; the pool
     is what placement budgeted for: kv_tokens, or max_batch full contexts."""
-    quantize = _quantize_mode(quantize, compile)
+    quantize = _quantize_mode(quantize)
     dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize, kv_dtype)
     num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-sizes.context // block_size)
     return quantize, dtype, sizes, num_blocks
@@ -225,17 +225,15 @@ def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int,
     return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype)
 
 
-def _quantize_mode(quantize, compile: bool) -> str:
+def _quantize_mode(quantize) -> str:
     from ..quant import MODES
 
     if quantize is not None and quantize not in MODES:
         raise ConfigError(f"quantize {quantize!r} is not one of: {', '.join(MODES)}")
     if torch.cuda.is_available() and quantize in ("int8", "int4"):
         raise ConfigError(f"--quantize {quantize} runs on the CPU kernels only in this version; drop it on a GPU machine")
-    if torch.cuda.is_available() or (compile and quantize is None):
-        return "none"  # a GGUF's packed weights need the CPU kernels, and eager mode (below)
-    if compile and quantize != "none":
-        raise ConfigError(f"--compile runs float weights only in this version; drop --compile or --quantize {quantize}")
+    if torch.cuda.is_available():
+        return "none"  # a GGUF's packed weights need the CPU kernels
     return quantize
 
 

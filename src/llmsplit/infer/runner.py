@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import ConfigError
 from ..io.weights import read_weight
@@ -99,6 +100,14 @@ def fuse_projections(layers) -> None:
         set_parameter(ff.w1, "weight", gate_up[:ff.w1.weight.shape[0]])
         set_parameter(ff.w3, "weight", gate_up[ff.w1.weight.shape[0]:])
         ff.gate_up = gate_up
+
+
+def _mark_static(t: torch.Tensor) -> None:
+    """`torch._dynamo.mark_static` on `t` and on the inner tensors of a tensor subclass."""
+    torch._dynamo.mark_static(t)
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            _mark_static(getattr(t, name))
 
 
 class Runner:
@@ -209,13 +218,17 @@ class Runner:
         # Under dynamic=True every plain tensor the graph reads gets symbolic sizes, the KV
         # pools and fused weights too; equations between those and the batch size then
         # pinned the batched graph to its first batch size (a recompile per new size). They
-        # never change shape after loading: say so.
+        # never change shape after loading: say so. A packed weight's inner tensors are what
+        # the graph reads (its groups of scales equalled the batch size: a recompile at batch 2).
         for pool in self.cache.pools():
-            torch._dynamo.mark_static(pool)
+            _mark_static(pool)
         for layer in self.model.layers.values():
             if layer.attention.qkv is not None:
-                torch._dynamo.mark_static(layer.attention.qkv[0])
-                torch._dynamo.mark_static(layer.feed_forward.gate_up)
+                _mark_static(layer.attention.qkv[0])
+                _mark_static(layer.feed_forward.gate_up)
+        for p in self.model.parameters():
+            if is_traceable_wrapper_subclass(p):
+                _mark_static(p)
         # The modules never change after loading, so guards on them (hundreds of parameters,
         # checked before every call: ~0.8 ms a token) are skipped; guards on the inputs stay.
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -224,7 +237,9 @@ class Runner:
             # tokens/s for SmolLM2-135M on 2 cores. Its first compile is slower (~4 min there
             # against ~1; torch caches both on disk for the next load).
             options["cpp_wrapper"] = True
-        return torch.compile(self.model.forward, dynamic=True, options=options)
+        # Its own graphs: with the module guards skipped, a graph compiled for another model of
+        # the same code (one loaded packed, this one float) would otherwise run on this one.
+        return torch.compile(self.model.forward, dynamic=True, options=options, isolate_recompiles=True)
 
     def _read(self, source, name: str, packed: bool) -> torch.Tensor:
         if self.spec.tp_size > 1 and name in ("tok_embeddings.weight", "output.weight"):

@@ -6,6 +6,12 @@ A tensor subclass rather than a swapped module, because the plain model calls
 (the fusion) at `__torch_function__` and answers them from the packed bytes, so neither
 `models/` nor the runner knows. Any other operation on it is refused by name: nothing
 silently widens a packed weight to float.
+
+It is a traceable wrapper subclass (`__tensor_flatten__`, as torchao's quantized tensors
+are), so `torch.compile` inlines the same `__torch_function__` and the graph calls the same
+int4/int8 kernels on the packed tensors: the compiled decode step keeps the weights packed
+(an aten op reaching the subclass itself would still be refused, so a graph cannot widen
+one either). Measured against the alternatives in docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -24,16 +30,37 @@ PACK_ROWS = 2048  # output rows packed at a time (a multiple of the kernel's row
 class PackedWeight(torch.Tensor):
     """kind "int4": `packed` is the CPU kernel's layout, `scales` its bf16 [groups, rows, 2]
     scales and zeros, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
-    and `scales` bf16 [out]. `rows` (start, stop) makes it a view of rows of `base`."""
+    and `scales` bf16 [out]. `rows` (start, stop, whole) makes it a view of rows [start, stop)
+    of the `whole`-row weight whose `packed` and `scales` it shares (`base`)."""
 
     @staticmethod
-    def __new__(cls, kind, packed, scales, shape, group=0, doubled=False, base=None, rows=None):
+    def __new__(cls, kind, packed, scales, shape, group=0, doubled=False, rows=None):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=packed.device,
                                                    requires_grad=False)
 
-    def __init__(self, kind, packed, scales, shape, group=0, doubled=False, base=None, rows=None):
+    def __init__(self, kind, packed, scales, shape, group=0, doubled=False, rows=None):
         self.kind, self.packed, self.scales, self.group, self.doubled = kind, packed, scales, group, doubled
-        self.base, self.rows = base, rows
+        self.rows = rows
+
+    @property
+    def base(self) -> PackedWeight | None:
+        """The whole weight a view of rows reads, or None for a whole weight."""
+        if self.rows is None:
+            return None
+        return PackedWeight(self.kind, self.packed, self.scales, (self.rows[2], self.shape[1]), self.group,
+                            self.doubled)
+
+    def __tensor_flatten__(self):
+        return ["packed", "scales"], (self.kind, tuple(self.shape), self.group, self.doubled, self.rows)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        kind, shape, group, doubled, rows = meta
+        return PackedWeight(kind, inner["packed"], inner["scales"], shape, group, doubled, rows)
+
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's on-disk cache keys a graph input on: the layout, not the values."""
+        return repr((self.__tensor_flatten__()[1], tuple(self.packed.shape), tuple(self.scales.shape)))
 
     @classmethod
     def from_groups(cls, g: Groups) -> PackedWeight:
@@ -66,7 +93,7 @@ class PackedWeight(torch.Tensor):
 
     def _same(self) -> PackedWeight:
         return PackedWeight(self.kind, self.packed, self.scales, tuple(self.shape), self.group, self.doubled,
-                            self.base, self.rows)
+                            self.rows)
 
     def groups(self, index: torch.Tensor | None = None) -> Groups:
         assert self.kind == "int4" and self.base is None
@@ -102,10 +129,9 @@ class PackedWeight(torch.Tensor):
         if func is torch.Tensor.__getitem__ and isinstance(args[1], slice) and args[1].step in (None, 1):
             self = args[0]
             start, stop, _ = args[1].indices(self.shape[0])
-            base = self if self.base is None else self.base
-            offset = 0 if self.rows is None else self.rows[0]
+            offset, whole = (0, self.shape[0]) if self.rows is None else (self.rows[0], self.rows[2])
             return PackedWeight(self.kind, self.packed, self.scales, (stop - start, self.shape[1]), self.group,
-                                self.doubled, base, (offset + start, offset + stop))
+                                self.doubled, (offset + start, offset + stop, whole))
         if func in (torch.Tensor.detach, torch.Tensor.requires_grad_, torch.Tensor.contiguous):
             return args[0]._same() if func is torch.Tensor.detach else args[0]
         if func is torch.Tensor.to:
