@@ -1,7 +1,8 @@
-"""The one plotting helper of the benchmark suite: bar panels side by side, one PNG.
+"""The one plotting helper of the benchmark suite: bar panels side by side, or lines of a
+value against a swept size, one PNG.
 
 A benchmark that plots defines `plot(result, out_dir) -> list[Path]` and draws with
-`bars`; `python -m benchmarks --out FILE` calls it and links the images from the report.
+`bars` (or `lines`); `python -m benchmarks --out FILE` calls it and links the images from the report.
 matplotlib is the `[plot]` extra: without it no plot is drawn and the report says so.
 """
 
@@ -35,6 +36,34 @@ def bars(path: Path, title: str, labels: list[str], panels: list[tuple[str, list
         ax.bar_label(drawn, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_ylim(0, max(values) * 1.18 if values and max(values) > 0 else 1)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def lines(path: Path, title: str, xlabel: str, ylabel: str, xs: list[float], series: dict[str, list[float]]) -> Path:
+    """One figure: each series' values against `xs` (log2 x axis, the sizes as ticks), each point
+    annotated with its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(max(ys) for ys in series.values()) * 1.15)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
