@@ -36,12 +36,7 @@ def bars(path: Path, title: str, labels: list[str], panels: list[tuple[str, list
         ax.bar_label(drawn, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_ylim(0, max(values) * 1.18 if values and max(values) > 0 else 1)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def lines(path: Path, title: str, xlabel: str, ylabel: str, xs: list[float], series: dict[str, list[float]]) -> Path:
@@ -64,6 +59,12 @@ def lines(path: Path, title: str, xlabel: str, ylabel: str, xs: list[float], ser
     ax.set_ylim(0, max(max(ys) for ys in series.values()) * 1.15)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
