@@ -13,6 +13,8 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   512 rows of gate/up 9.5 ms against 24 for float32 and 41 for the int4 kernel, the Q8_0
   head 302 against 544 (under load; docs/quantization.md). Widening to float32 first, as
   before, cost more than the float32 matmul itself.
+- On an AMD EPYC without AMX (avx512_bf16/vnni; BENCHMARKS.md) the crossover is ~24 rows for
+  int8, ~40 for Q8_0's two nibbles and past 64 for int4: the switch stays at 32, not per kind.
 """
 
 from __future__ import annotations
