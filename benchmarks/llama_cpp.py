@@ -1,7 +1,8 @@
 """llmsplit (GGUF kept packed) against llama.cpp on the same Q4_1 file, side by side.
 
-`python -m benchmarks.llama_cpp --gguf FILE.gguf [--rounds 2] [--threads 2]` prints a markdown
-table. Rounds alternate llama.cpp and llmsplit, each run in a fresh process (so each peak RSS
+`python -m benchmarks.llama_cpp --gguf FILE.gguf [--rounds 2] [--threads 2] [--compile]` prints a
+markdown table (`--compile`: llmsplit's packed rows load with `compile=True`, compiled outside
+the timings). Rounds alternate llama.cpp and llmsplit, each run in a fresh process (so each peak RSS
 is its own); medians. Rows, greedy, EOS ignored:
 - decode tokens/s at batch 1 (128 new tokens after a short prompt; llama-bench's tg128);
 - prompt processing tokens/s of a 512-token prompt (llama-bench's pp512; ours: the prefill of
@@ -36,10 +37,11 @@ import json, sys, time, torch
 import llmsplit
 from benchmarks.quant import _text_ids
 path, threads, quantize, rows = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+compile = sys.argv[5] == "1"
 torch.set_num_threads(threads)
 batch = "batch16" in rows  # its own process: 16 sequences' KV cache would count in the batch-1 RSS
 m = llmsplit.load(path, quantize=None if quantize == "default" else quantize, prefix_caching=False,
-                  max_batch=16 if batch else 1, max_context=160 if batch else 640)
+                  max_batch=16 if batch else 1, max_context=160 if batch else 640, compile=compile)
 ids = _text_ids(m.tokenizer, 1024)
 out = {}
 def timed(prompt, n):
@@ -89,9 +91,9 @@ def llama_cpp(path: str, threads: int) -> dict:
     return r
 
 
-def ours(path: str, threads: int, quantize: str, rows: str) -> dict:
+def ours(path: str, threads: int, quantize: str, rows: str, compile: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", "."]), OMP_WAIT_POLICY="PASSIVE")
-    out, _ = _run([sys.executable, "-c", _OURS, path, str(threads), quantize, rows], env=env)
+    out, _ = _run([sys.executable, "-c", _OURS, path, str(threads), quantize, rows, str(int(compile))], env=env)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="load llmsplit's packed rows with compile=True")
     a = p.parse_args(argv)
     results: dict[str, list[dict]] = {"llama.cpp": [], "llmsplit": [], "llmsplit fp32": []}
     loads = []
@@ -110,15 +113,17 @@ def main(argv=None) -> int:
                 results[name].append(llama_cpp(a.gguf, a.threads))
             else:
                 fp32 = name.endswith("fp32")
-                r = ours(a.gguf, a.threads, "none" if fp32 else "default", "decode" if fp32 else "decode,prompt")
+                r = ours(a.gguf, a.threads, "none" if fp32 else "default", "decode" if fp32 else "decode,prompt",
+                         a.compile and not fp32)
                 if not fp32:
-                    r.update(ours(a.gguf, a.threads, "default", "batch16"))
+                    r.update(ours(a.gguf, a.threads, "default", "batch16", a.compile))
                 results[name].append(r)
             loads.append(os.getloadavg()[0])
             print(name, results[name][-1], file=sys.stderr, flush=True)
     med = {n: {k: statistics.median(x[k] for x in rs if k in x) for k in rs[0]} for n, rs in results.items()}
     lc, us = med["llama.cpp"], med["llmsplit"]
-    lines = [f"| {a.threads} threads, medians of {a.rounds} | llama.cpp | llmsplit (packed) | llmsplit / llama.cpp | bar |",
+    ours_label = "llmsplit (packed, compiled)" if a.compile else "llmsplit (packed)"
+    lines = [f"| {a.threads} threads, medians of {a.rounds} | llama.cpp | {ours_label} | llmsplit / llama.cpp | bar |",
              "| --- | ---: | ---: | ---: | --- |"]
     for key, label, bar, unit in (("decode", "decode tokens/s, batch 1", 1.0, ""),
                                   ("prompt", "prompt tokens/s, 512 tokens", 1.0, ""),
