@@ -22,11 +22,13 @@ TRAIN = ["data.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "trai
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A base Hugging Face folder and two adapters on it: a LoRA run's first checkpoint, and the run
-    (its last). One training: each costs seconds of the suite."""
+    (its last) as the PEFT adapter folder `export --to peft` writes of it. One training: each costs
+    seconds of the suite."""
     tmp = tmp_path_factory.mktemp("serve_lora")
     base = make_hf_folder(tmp / "base", num_hidden_layers=2)
     train(tmp / "run", f"model.hf={base}", "lora.rank=4", "lora.alpha=8", "lora.targets=q,v,down", *TRAIN, nproc=1)
-    return base, tmp / "run" / "checkpoints" / "step_1", tmp / "run"
+    run_cli("export", "--checkpoint", str(tmp / "run"), "--to", "peft", str(tmp / "peft"))
+    return base, tmp / "run" / "checkpoints" / "step_1", tmp / "peft"
 
 
 def greedy(model, prompt: str, n: int, adapter: int = 0) -> list[int]:
@@ -35,19 +37,36 @@ def greedy(model, prompt: str, n: int, adapter: int = 0) -> list[int]:
     return seq.tokens
 
 
-def test_each_request_gets_its_adapters_merged_tokens_in_one_batch(runs):
-    base, a, b = runs
-    served = llmsplit.load(base, device_map="cpu", max_batch=9, max_context=64, block_size=4,
-                           max_num_batched_tokens=12, lora={"a": str(a), "b": str(b)})
-    merged = [llmsplit.load(p, device_map="cpu", max_context=64) for p in (base, a, b)]
-    want = [[greedy(m, p, 10) for p in PROMPTS] for m in merged]
-    assert want[0] != want[1] and want[0] != want[2] and want[1] != want[2]  # the adapters do change the answers
-    # All nine at once, under a token budget that packs prefill chunks beside the others' decodes.
+def all_at_once(served) -> list[list[list[int]]]:
+    """Each prompt for the base and each adapter, all nine at once, under a token budget that
+    packs prefill chunks beside the others' decodes: [adapter][prompt] -> greedy tokens."""
     e = served.engine
     seqs = [e.new_sequence(served.tokenizer.encode(p), SamplingParams(10, ignore_eos=True), k)
             for p in PROMPTS for k in range(3)]
     e.generate(seqs)
-    assert [[s.tokens for s in seqs[k::3]] for k in range(3)] == want
+    return [[s.tokens for s in seqs[k::3]] for k in range(3)]
+
+
+@pytest.fixture(scope="module")
+def merged_tokens(runs):
+    """The greedy tokens of the base, and of the model with each adapter merged (a run's checkpoint
+    as --model, and a PEFT adapter folder as --model: merged over the base its config names)."""
+    base, a, b = runs
+    merged = [llmsplit.load(p, device_map="cpu", max_context=64) for p in (base, a, b)]
+    run = llmsplit.load(b.parent / "run", device_map="cpu", max_context=64)
+    want = [[greedy(m, p, 10) for p in PROMPTS] for m in merged]
+    assert want[2] == [greedy(run, p, 10) for p in PROMPTS]  # the PEFT export merges to its run's model
+    assert want[0] != want[1] and want[0] != want[2] and want[1] != want[2]  # the adapters do change the answers
+    return want
+
+
+def test_each_request_gets_its_adapters_merged_tokens_in_one_batch(runs, merged_tokens):
+    base, a, b = runs
+    served = llmsplit.load(base, device_map="cpu", max_batch=9, max_context=64, block_size=4,
+                           max_num_batched_tokens=12, lora={"a": str(a), "b": str(b)})
+    want = merged_tokens
+    assert all_at_once(served) == want
+    e = served.engine
     # Prefixes are cached per adapter: the base's blocks of a prompt are no use to adapter a ...
     hits = e.pool.hit_tokens
     assert greedy(served, PROMPTS[2], 4, 0) == want[0][2][:4] and e.pool.hit_tokens > hits
@@ -59,7 +78,21 @@ def test_each_request_gets_its_adapters_merged_tokens_in_one_batch(runs):
     assert greedy(served, PROMPTS[2], 4, 1) == want[1][2][:4] and e.pool.hit_tokens == hits
     # ... and a plain forward (no adapter asked for) is the base's.
     tokens = torch.tensor([served.tokenizer.encode(PROMPTS[0])])
-    torch.testing.assert_close(served.logits(tokens), merged[0].logits(tokens))
+    torch.testing.assert_close(served.logits(tokens), llmsplit.load(base, device_map="cpu").logits(tokens))
+
+
+@pytest.mark.slow
+def test_adapters_served_over_tensor_and_pipeline_workers(runs, merged_tokens):
+    """--tp 2 --pp 2 at once: each stage applies its layers' adapters, each tensor-parallel rank its
+    shard of them (q and v column-parallel: B's rows; down row-parallel: A's columns)."""
+    base, a, b = runs
+    split = llmsplit.load(base, tp=2, pp=2, max_batch=9, max_context=64, block_size=4, max_num_batched_tokens=12,
+                          lora={"a": str(a), "b": str(b)})
+    try:
+        assert split.engine.runner.runner.bank.adapted == ["0"]  # rank 0: stage 0, layer 0
+        assert all_at_once(split) == merged_tokens
+    finally:
+        split.close()
 
 
 def test_the_server_lists_the_adapters_and_the_model_field_picks_one(runs):
@@ -82,11 +115,60 @@ def test_the_server_lists_the_adapters_and_the_model_field_picks_one(runs):
         assert "'c' does not exist; this server serves 'base', 'a', 'b'" in r.json()["error"]["message"]
 
 
+def _broken(peft, out, config=None, tensors=None):
+    """A copy of the PEFT folder `peft` with its config's keys and its tensors replaced."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(peft, out)
+    raw = json.loads((peft / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**raw, **(config or {})}))
+    save_file({**load_file(peft / "adapter_model.safetensors"), **(tensors or {})}, out / "adapter_model.safetensors")
+    return out
+
+
 def test_lora_flags_are_checked(runs, tmp_path):
-    base, a, _ = runs
+    base, a, peft = runs
+    down = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
     for flags, fragment in [(["--lora", "a"], "write NAME=RUN"),
                             (["--lora", f"a={a}", "--lora", f"a={a}"], "each NAME once"),
-                            (["--lora", f"a={a}", "--tp", "2"], "drop --tp/--pp/--compile or --lora"),
-                            (["--lora", f"a={base}"], "--lora a: ")]:
+                            (["--lora", f"a={a}", "--compile"], "drop --compile or --lora"),
+                            (["--lora", f"a={base}"], "--lora a: "),
+                            (["--lora", f"p={_broken(peft, tmp_path / 'dora', {'use_dora': True})}"],
+                             "--lora p: adapter_config.json sets use_dora=True, which llmsplit does not apply"),
+                            (["--lora", f"p={_broken(peft, tmp_path / 'narrow', tensors={down: torch.zeros(4, 64)})}"],
+                             f"--lora p: its adapter layers.1.feed_forward.w2.lora_a is [4, 64] where this base "
+                             f"(r=4) needs [4, 128]")]:
         proc = run_cli("serve", "--model", str(base), "--port", "0", *flags, check=False)
         assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # A PEFT folder as --model: merged over its base_model_name_or_path, refused as --lora is.
+    for config, tensors, fragment in [
+            ({"rank_pattern": {"q_proj": 8}}, None, "sets rank_pattern={'q_proj': 8}"),
+            (None, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+             "its tensor base_model.model.lm_head.lora_A.weight adapts no q/k/v/o/gate/up/down projection"),
+            ({"base_model_name_or_path": "nobody/nothing"}, None,
+             "names base_model_name_or_path='nobody/nothing', which is neither a local model nor in the Hugging "
+             "Face cache")]:
+        bad = _broken(peft, tmp_path / f"bad{len(fragment)}", config, tensors)
+        proc = run_cli("generate", "--model", str(bad), "hi", check=False)
+        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_node_started_with_other_adapters_than_node_0_is_refused(monkeypatch):
+    """Every rank of a --tp/--pp split compares its --lora with node 0's, before loading anything."""
+    import llmsplit.infer.distributed as split
+    from llmsplit.config import ConfigError
+    from llmsplit.layout import Layout
+
+    def node_0_serves(box, src):
+        box[0] = (("a", "/runs/a"),)
+
+    monkeypatch.setattr(split.dist, "broadcast_object_list", node_0_serves)
+    spec = split.SplitSpec("model", Layout(tp=2), torch.float32, 4, 4, 64)
+    with pytest.raises(ConfigError, match=r"started with --lora \(none\) but node 0 serves --lora a=/runs/a; start "
+                                          r"every node with node 0's --lora flags"):
+        split.same_adapters(spec)
+    split.same_adapters(split.SplitSpec("model", Layout(tp=2), torch.float32, 4, 4, 64, lora=(("a", "/runs/a"),)))

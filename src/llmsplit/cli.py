@@ -186,8 +186,8 @@ def _lora_runs(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, _, run = pair.partition("=")
         if not (name.strip() and run) or name in runs:
-            raise ConfigError(f"--lora {pair!r}: write NAME=RUN (a name clients send as \"model\", then a LoRA run "
-                              f"or checkpoint), each NAME once")
+            raise ConfigError(f"--lora {pair!r}: write NAME=RUN (a name clients send as \"model\", then a LoRA run, "
+                              f"checkpoint or PEFT adapter folder), each NAME once")
         runs[name.strip()] = run
     return runs
 

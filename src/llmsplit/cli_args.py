@@ -90,8 +90,9 @@ def _add_generate(sub) -> argparse.ArgumentParser:
                        description="Print the continuation of PROMPT (the prompt is not repeated). Environment: "
                                    "LLMSPLIT_GPU_COUNT and LLMSPLIT_GPU_MEMORY_LIMIT (bytes or e.g. 20GiB per GPU) "
                                    "limit the GPUs used.", epilog=EPILOG)
-    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
-                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf|PEFT_DIR",
+                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, a GGUF file, or a PEFT LoRA "
+                        "adapter folder (merged over the base its adapter_config.json names)")
     p.add_argument("prompt", nargs="*", help="prompt text (default: standard input when it is not a terminal)")
     p.add_argument("--max-new-tokens", type=COUNT, default=64, metavar="N",
                    help="tokens to generate at most (default %(default)s)")
@@ -124,8 +125,9 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                                    "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
                                    "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
                                    "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
-    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf",
-                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, or a GGUF file")
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf|PEFT_DIR",
+                   help="a run folder or checkpoint, a Hugging Face Llama-family folder, a GGUF file, or a PEFT LoRA "
+                        "adapter folder (merged over the base its adapter_config.json names)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=number(int, at_least=0, at_most=65535), default=8000, help="port to bind (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
@@ -140,10 +142,10 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="tokens one step computes at most, the batch's decodes first and then chunks of the "
                         "prompts being filled, so that a long prompt never stalls the streams already running "
                         "(default 512, or --max-batch if larger: the chunk size that computed prompts fastest)")
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN",
-                   help="serve a LoRA run's adapters over --model as the model NAME (repeatable): a request's "
-                        "\"model\" picks an adapter or the base, and requests for all of them are batched together "
-                        "(default none: the base alone)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN|PEFT_DIR",
+                   help="serve a LoRA run's adapters, or a PEFT adapter folder's, over --model as the model NAME "
+                        "(repeatable; under --tp/--pp too): a request's \"model\" picks an adapter or the base, and "
+                        "requests for all of them are batched together (default none: the base alone)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (default: prompts that start alike share the KV blocks of "
                         "their common start)")

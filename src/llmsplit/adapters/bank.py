@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-
 _ALL = object()  # every row of the step asks for this adapter
 
 
@@ -37,8 +35,8 @@ class AdapterBank:
     def attach(self, model: nn.Module, adapters: list[dict[str, torch.Tensor]], scales: list[float],
                devices: dict[str, torch.device], dtype: torch.dtype) -> None:
         """Hook the adapters (each {"layers.i.attention.wq.lora_a": A, ...lora_b: B}, as a LoRA
-        run's checkpoint holds them) onto `model`'s projections; `devices`: unit -> the device
-        its layer computes on."""
+        run's checkpoint holds them, sliced like the layer where it is split) onto `model`'s
+        projections; `devices`: unit -> the device its layer computes on."""
         per_layer: dict[str, list] = {}
         for k, (state, scale) in enumerate(zip(adapters, scales), 1):
             for name, a in state.items():
@@ -46,22 +44,16 @@ class AdapterBank:
                     continue
                 layer = name[:-len(".lora_a")]
                 b = state[f"{layer}.lora_b"]
-                try:
-                    module = model.get_submodule(layer)
-                except AttributeError:
-                    module = None
-                out_f, in_f = (module.weight.shape if isinstance(module, nn.Linear) else (None, None))
-                if module is None or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-                    raise ConfigError(f"--lora {self.names[k - 1]}: its adapter {layer} (A {list(a.shape)}, B "
-                                      f"{list(b.shape)}) does not fit the served model"
-                                      f"{'' if module is None else f' ({layer} is {out_f}x{in_f})'}; serve the "
-                                      f"base model the adapter was trained on")
+                out_f, in_f = model.get_submodule(layer).weight.shape  # (checked against the model when read)
+                assert a.shape[1] == in_f and b.shape[0] == out_f and a.shape[0] == b.shape[1], (layer, a.shape, b.shape)
                 dev = devices[".".join(layer.split(".")[:2])]
                 per_layer.setdefault(layer, []).append(
                     (k, a.to(dev, dtype).contiguous(), (b * scale).to(dev, dtype).contiguous()))
         for layer, entries in per_layer.items():
+            # First among the layer's hooks: a row-parallel layer's partial update is then summed
+            # by its tensor-parallel all-reduce (a hook registered before) with its partial product.
             model.get_submodule(layer).register_forward_hook(
-                lambda module, args, out, entries=entries: self._add(args[0], out, entries))
+                lambda module, args, out, entries=entries: self._add(args[0], out, entries), prepend=True)
         self.adapted = sorted({layer.split(".")[1] for layer in per_layer}, key=int)  # layer ids with adapters
 
     def set_rows(self, rows: torch.Tensor | None) -> None:

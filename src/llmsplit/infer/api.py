@@ -120,8 +120,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
          lora: dict[str, str] | None = None, nodes: Nodes = Nodes(), n_cpu_moe: int = 0) -> LoadedModel:
     """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
     model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
-    `lora`: {name: LoRA run} adapters served over this base model together (`Sequence.adapter`
-    k runs with the k-th; `serve --lora NAME=RUN`).
+    `lora`: {name: LoRA run or PEFT adapter folder} adapters served over this base model together
+    (`Sequence.adapter` k runs with the k-th; `serve --lora NAME=RUN`), under --tp/--pp too.
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
     "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
     `kv_dtype`: None keeps the KV cache in `dtype`; "int8" stores it as int8 with a scale per
@@ -141,13 +141,13 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
             raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU memory, "
                               f"and {why}")
         sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
-    if lora and (tp > 1 or pp > 1 or compile):  # (a compiled graph would not see the adapters' hooks)
-        raise ConfigError("--lora serves adapters over an eager model in one process in this version; drop "
-                          "--tp/--pp/--compile or --lora")
+    split_layout(cfg, tp, pp, compile, len(lora or {}))
+    # Read (and checked against the model) here, before any worker starts; each worker reads its own part.
+    adapters = [run_adapters(run, f"--lora {name}", cfg) for name, run in (lora or {}).items()]
     if tp > 1 or pp > 1 or nodes.nnodes > 1:
         spec = _split(path, cfg, tp, pp, dtype, num_blocks, block_size, max_context, quantize, nodes,
                       device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, compile=compile,
-                      kv_dtype=kv_dtype)
+                      kv_dtype=kv_dtype, lora=lora)
         if nodes.node_rank != 0:
             raise ConfigError(f"--node-rank {nodes.node_rank} runs workers for node 0, which serves; "
                               f"call llmsplit.infer.api.follow there")
@@ -164,7 +164,6 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
                                           tune_threads=tune_threads, kv_dtype=kv_dtype))
         dmap = dict(placement.device_map)
         if lora:
-            adapters = [run_adapters(run, f"--lora {name}") for name, run in lora.items()]
             runner.serve_adapters(list(lora), [a for a, _ in adapters], [scale for _, scale in adapters])
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
@@ -192,9 +191,11 @@ def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: 
     source = open_weights(path, what="model path")
     quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
                                                 quantize, placement.get("kv_dtype"))
-    keys = ("device_map", "max_memory", "offload_dir", "compile", "kv_dtype")
+    keys = ("device_map", "max_memory", "offload_dir", "compile", "kv_dtype", "lora")
     spec = _split(path, source.config, tp, pp, dtype, num_blocks, block_size, sizes.context, quantize, nodes,
                   **{k: placement[k] for k in keys if k in placement})
+    for name, run in (placement.get("lora") or {}).items():  # this node's own paths, checked before it starts
+        run_adapters(run, f"--lora {name}", source.config)
     del source
     follow_node(spec)
 
@@ -211,18 +212,16 @@ def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_token
 
 def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int, max_context: int, quantize,
            nodes: Nodes, device_map="auto", max_memory=None, offload_dir=None, compile: bool = False,
-           kv_dtype: str | None = None):
+           kv_dtype: str | None = None, lora: dict[str, str] | None = None):
     """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused where it cannot run."""
     if tp * pp == 1:
         raise ConfigError(f"--nnodes {nodes.nnodes} splits the model over machines, which needs --tp or --pp "
                           f"(their product is the workers of all nodes together); add one or drop --nnodes")
-    layout = split_layout(cfg, tp, pp)
+    layout = split_layout(cfg, tp, pp, compile, len(lora or {}))
     if max_memory or offload_dir or device_map not in (None, "auto"):
         raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
                           "--max-memory and --offload-dir")
-    if compile:
-        raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype)
+    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype, lora)
 
 
 def _quantize_mode(quantize) -> str:

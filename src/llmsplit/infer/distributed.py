@@ -44,6 +44,7 @@ class SplitSpec:
     quantize: str | None = None
     nodes: Nodes = Nodes()
     kv_dtype: str | None = None
+    lora: tuple[tuple[str, str], ...] = ()  # (name, LoRA run or PEFT folder) served over the model (`--lora`)
 
     @property
     def tp(self) -> int:
@@ -63,10 +64,13 @@ class SplitSpec:
         return rank_device(rank % per_node, per_node)
 
 
-def split_layout(cfg, tp: int, pp: int) -> Layout:
-    """The layout of `--tp/--pp`, refused by the same rules training and the planner use."""
+def split_layout(cfg, tp: int, pp: int, compile: bool = False, adapters: int = 0) -> Layout:
+    """The layout of `--tp/--pp` (1, 1: one process, whose model then needs no splitting
+    rules), with --compile and the --lora adapters served, refused by the same rules training
+    and the planner use."""
     layout = Layout(tp=tp, pp=pp, sequence_parallel=False)
-    check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer"))
+    check(cfg if layout.world > 1 else None, layout,
+          Workload(seq_len=1, global_batch=1, mode="infer", compile=compile, lora_served=adapters))
     return layout
 
 
@@ -94,6 +98,7 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
         torch.cuda.set_device(device)  # before the mesh, whose NCCL communicators bind to it
     mesh = Mesh(ParallelDims.from_layout(spec.layout), device.split(":")[0])
     stage, tp_rank = mesh.rank("pp"), mesh.rank("tp")
+    same_adapters(spec)
     source = open_weights(spec.path)
     cfg = source.config
     placement = Placement({u: device for u in stage_units(cfg, spec.layout, stage)}, device, {}, {})
@@ -101,10 +106,36 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
                                       tp_rank=tp_rank, tp_size=spec.tp, tp_group=mesh.group("tp"),
                                       layers=stage_layers(cfg, spec.layout)[stage], quantize=spec.quantize,
                                       kv_dtype=spec.kv_dtype))
+    _serve_adapters(runner, spec)
     return runner, mesh
 
 
-def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: bool):
+def same_adapters(spec: SplitSpec) -> None:
+    """Refuse, on the rank that has them, other --lora flags than node 0's: that node's ranks
+    would compute other layers' updates than the rest. Run right after the mesh, before any
+    rank can fail loading (a collective awaited then would hang instead of being reported)."""
+    served = [spec.lora]
+    dist.broadcast_object_list(served, src=0)
+    if served[0] != spec.lora:
+        raise ConfigError(f"this node was started with --lora {_flags(spec.lora)} but node 0 serves --lora "
+                          f"{_flags(served[0])}; start every node with node 0's --lora flags")
+
+
+def _serve_adapters(runner: Runner, spec: SplitSpec) -> None:
+    """Every rank applies the adapters rank 0 serves, each reading them itself (as it reads its
+    weights) and keeping its stage's and shard's part (`Runner.serve_adapters`)."""
+    from ..io.weights import run_adapters
+
+    if spec.lora:
+        adapters = [run_adapters(path, f"--lora {name}", runner.cfg) for name, path in spec.lora]
+        runner.serve_adapters([name for name, _ in spec.lora], [a for a, _ in adapters], [s for _, s in adapters])
+
+
+def _flags(lora) -> str:
+    return " ".join(f"{name}={path}" for name, path in lora) or "(none)"
+
+
+def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: bool, adapters=None):
     """This rank's share of one forward; rank 0 gets the logits. Activations go to the next
     stage of the same tensor-parallel rank (the mesh's pp group); the last stage's tp rank 0
     sends the logits back to stage 0, whose tp rank 0 is rank 0."""
@@ -116,7 +147,7 @@ def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: boo
     else:
         x = torch.empty(b, s, runner.cfg.dim, dtype=dtype, device=device)
         dist.recv(x, group=pp_group, group_src=stage - 1)
-    out = runner.forward(x, step, last_only)
+    out = runner.forward(x, step, last_only, adapters)
     if stage < pp - 1:
         dist.send(out.contiguous(), group=pp_group, group_dst=stage + 1)
     elif stage > 0 and mesh.rank("tp") == 0:
@@ -172,9 +203,8 @@ class SplitRunner:
         self.cfg = self.runner.cfg
 
     def forward(self, tokens: torch.Tensor, step, last_only: bool, adapters=None) -> torch.Tensor:
-        assert adapters is None  # Runner.serve_adapters: LoRA serving runs in one process
-        dist.broadcast_object_list([(tokens, step, last_only)], src=0)
-        return _step(self.runner, self.mesh, tokens, step, last_only)
+        dist.broadcast_object_list([(tokens, step, last_only, adapters)], src=0)
+        return _step(self.runner, self.mesh, tokens, step, last_only, adapters)
 
     def close(self) -> None:
         if self.followers is None or not dist.is_initialized():  # closed, or ended at exit (Followers.kill)
@@ -186,9 +216,11 @@ class SplitRunner:
 
 
 def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int,
-               quantize: str | None = None, nodes: Nodes = Nodes(), kv_dtype: str | None = None) -> SplitSpec:
+               quantize: str | None = None, nodes: Nodes = Nodes(), kv_dtype: str | None = None,
+               lora: dict[str, str] | None = None) -> SplitSpec:
     nodes.check()
     if nodes.nnodes > 1 and layout.world % nodes.nnodes:
         raise ConfigError(f"--nnodes {nodes.nnodes} must divide the {layout.world} workers of --tp {layout.tp} "
                           f"--pp {layout.pp} (each node runs as many); change --nnodes, --tp or --pp")
-    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype)
+    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype,
+                     tuple((name, str(run)) for name, run in (lora or {}).items()))

@@ -187,14 +187,30 @@ class Runner:
         self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
 
     def serve_adapters(self, names: list[str], adapters: list[dict], scales: list[float]) -> None:
-        """Serve LoRA adapters over this model, each applied to the rows of the sequences that
-        ask for it (adapters/bank.py). The adapted layers run their projections one by one
-        again (not fused), so that each projection's hook sees its own output."""
+        """Serve LoRA adapters (whole, checked against the model: `io.weights.run_adapters`) over
+        this piece, each applied to the rows of the sequences that ask for it (adapters/bank.py).
+        A pipeline stage keeps its own layers' adapters; a tensor-parallel rank the slices of
+        them its layer's shard needs (`tp_shard`): B's rows of a column-parallel layer (A whole),
+        A's columns of a row-parallel one (B whole), whose partial update the layer's
+        all-reduce then sums with its partial product. The adapted layers run their
+        projections one by one again (not fused), so that each projection's hook sees its own output."""
         from ..adapters.bank import AdapterBank
 
-        assert self._decode is None  # api.load refuses --lora with --compile: a graph would not see the hooks
+        assert self._decode is None  # layout.rules refuses --lora with --compile: a graph would not see the hooks
+        pieces = []
+        for state in adapters:
+            piece = {}
+            for name, t in state.items():
+                layer, which = name.rsplit(".", 1)
+                if layer.split(".")[1] not in self.model.layers:
+                    continue  # another pipeline stage's layer
+                shard = tp_shard(f"{layer}.weight", self.spec.tp_rank, self.spec.tp_size)
+                if shard is not None and (shard[0] == 0) == (which == "lora_b"):  # B by rows, or A by columns
+                    t = t.chunk(shard[2], shard[0])[shard[1]]
+                piece[name] = t
+            pieces.append(piece)
         bank = AdapterBank(names)
-        bank.attach(self.model, adapters, scales, self.devices, self.spec.dtype)
+        bank.attach(self.model, pieces, scales, self.devices, self.spec.dtype)
         for i in bank.adapted:
             layer = self.model.layers[i]
             layer.attention.qkv = None

@@ -32,6 +32,11 @@ def open_weights(path: str | Path, what: str = "--model"):
         from .gguf import GGUFWeights
 
         return GGUFWeights(path)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from .peft_adapter import peft_base, read_peft
+
+        base = open_weights(peft_base(path, f"{what} {str(path)!r}"), what=f"{what} {str(path)!r}'s base model")
+        return AdaptedWeights(base, *read_peft(path, base.config, f"{what} {str(path)!r}"))
     if (path / "config.json").is_file():
         from .hf import HFWeights
 
@@ -100,24 +105,75 @@ class RunWeights:
 
 def lora_merged(cfg, model_cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:
     """A LoRA run's model: the frozen base it trained on (model.hf or model.gguf, or the seed's initial
-    weights) with each adapter merged in, W + (alpha / rank) * B @ A, the same product the
-    adapted layer computed. Its checkpoints hold the adapters only."""
-    adapters = {"model": read_adapters(cfg, ck, saved)}
+    weights) with each adapter merged in (`AdaptedWeights`). Its checkpoints hold the adapters only."""
     source = pretrained_weights(cfg)
-    if source is not None:
-        base = {name: source.read(name).float() for name in source.names()}
-    else:
+    if source is None:
         from ..models.llama import Transformer
 
         model = Transformer(model_cfg)
         model.init_weights(cfg.train.seed)  # what training started from: weights from (seed, name)
-        base = {name: t.detach() for name, t in model.state_dict().items()}
-    scale = cfg.lora.alpha / cfg.lora.rank
-    for name, a in adapters["model"].items():
-        if name.endswith(".lora_a"):
-            layer = name[:-len(".lora_a")]
-            base[f"{layer}.weight"] = base[f"{layer}.weight"] + scale * adapters["model"][f"{layer}.lora_b"] @ a
-    return base
+        source = _StateWeights({name: t.detach() for name, t in model.state_dict().items()})
+    merged = AdaptedWeights(source, read_adapters(cfg, ck, saved), cfg.lora.alpha / cfg.lora.rank)
+    return {name: merged.read(name).float() for name in source.names()}
+
+
+class _StateWeights:
+    """A state dict as a weights reader (a LoRA run's base drawn from its seed)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self._state = state
+
+    def names(self) -> list[str]:
+        return list(self._state)
+
+    def read(self, name: str, shard=None) -> torch.Tensor:
+        return self._state[name]
+
+
+class AdaptedWeights:
+    """A base model's reader with LoRA adapters merged in as each weight is read, W + scale ·
+    B·A (the product the adapted layer computes): a LoRA run, or a PEFT adapter folder as the
+    model. Adapted weights are read whole, merged in float32, then sliced; the others (and
+    their packed forms) come from the base as they are."""
+
+    def __init__(self, base, adapters: dict[str, torch.Tensor], scale: float):
+        self.base, self.adapters, self.scale = base, adapters, scale
+        self.config = getattr(base, "config", None)
+        self.tokenizer, self.eos_ids = getattr(base, "tokenizer", None), getattr(base, "eos_ids", set())
+        self.dtype = getattr(base, "dtype", torch.float32)
+
+    def names(self) -> list[str]:
+        return self.base.names()
+
+    def _adapted(self, name: str) -> bool:
+        return name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_a" in self.adapters
+
+    def read(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        if not self._adapted(name):
+            return self.base.read(name, shard)
+        layer = name[:-len(".weight")]
+        a, b = self.adapters[f"{layer}.lora_a"], self.adapters[f"{layer}.lora_b"]
+        w = self.base.read(name).float() + self.scale * b @ a
+        return w if shard is None else w.chunk(shard[2], shard[0])[shard[1]].contiguous()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.base.shape(name)) if hasattr(self.base, "shape") else tuple(self.read(name).shape)
+
+    def read_region(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        if hasattr(self.base, "read_region") and not self._adapted(name):
+            return self.base.read_region(name, offsets, sizes)
+        w = self.read(name)
+        for dim, (start, size) in enumerate(zip(offsets, sizes)):
+            w = w.narrow(dim, start, size)
+        return w.contiguous()
+
+    def packed_kind(self, name: str) -> str | None:
+        return None if self._adapted(name) or not hasattr(self.base, "packed_kind") else self.base.packed_kind(name)
+
+    def read_packed(self, name: str, shard: tuple[int, int, int] | None = None):
+        if self._adapted(name) or not hasattr(self.base, "read_packed"):
+            return None
+        return self.base.read_packed(name, shard)
 
 
 def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, quantize: str | None = None):
@@ -140,11 +196,15 @@ def read_weight(source, name: str, shard: tuple[int, int, int] | None = None, qu
     return w
 
 
-def run_adapters(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], float]:
-    """The adapters of a LoRA run (its newest checkpoint, or the checkpoint given) and their
-    scale alpha / rank: what `serve --lora NAME=RUN` applies over the served base model."""
+def run_adapters(path: str | Path, what: str, model_cfg) -> tuple[dict[str, torch.Tensor], float]:
+    """The adapters of a LoRA run (its newest checkpoint, or the checkpoint given) or of a PEFT
+    adapter folder, and their scale alpha / rank, checked against `model_cfg`, the served base:
+    what `serve --lora NAME=RUN` applies over it."""
     from . import dcp_files
+    from .peft_adapter import check_fit, is_peft_folder, read_peft
 
+    if is_peft_folder(path):
+        return read_peft(path, model_cfg, what)
     try:
         run_dir, ck = resolve_checkpoint(path)
         cfg = read_run_config(run_dir)
@@ -153,7 +213,9 @@ def run_adapters(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], 
     if not cfg.lora.rank:
         raise ConfigError(f"{what}: {str(path)!r} is a run without LoRA adapters (lora.rank = 0); serve it as --model")
     saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(ck))
-    return read_adapters(cfg, ck, saved), cfg.lora.alpha / cfg.lora.rank
+    adapters = read_adapters(cfg, ck, saved)
+    check_fit(adapters, model_cfg, cfg.lora.rank, what)
+    return adapters, cfg.lora.alpha / cfg.lora.rank
 
 
 def read_adapters(cfg, ck: Path, saved: dict) -> dict[str, torch.Tensor]:

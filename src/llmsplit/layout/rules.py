@@ -71,6 +71,8 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
     if layout.pp > 1:
         _check_schedule(layout)
     training = work is None or work.mode == "train"
+    if work is not None and not training:
+        _check_inference(layout, work)
     if work is not None and training:
         _check_batches(layout, work)
         _check_quantized_base(model, layout, work)
@@ -228,6 +230,16 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     # No rule for the vocabulary: training's vocabulary-parallel embedding and loss take uneven
     # DTensor shards (vocab 259 on tp 2: loss and gradient norm equal to one process), and
     # inference pads the last shard.
+
+
+def _check_inference(layout: Layout, work: Workload) -> None:
+    """What a loaded model combines, checked by node 0 and by every other node of a split alike."""
+    if work.compile and layout.world > 1:
+        raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
+    if work.compile and work.lora_served:
+        # The bank's hooks group each step's rows by adapter, a data-dependent layout that a
+        # compiled graph would either not see or recompile for (adapters/bank.py).
+        raise ConfigError("--lora serves adapters over an eager model in this version; drop --compile or --lora")
 
 
 def _check_quantized_base(model: LlamaConfig | None, layout: Layout, work: Workload) -> None:
