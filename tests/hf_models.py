@@ -100,3 +100,30 @@ def merge_peft_adapter(model, adapter_dir: Path, scale: float):
                 module = model.get_submodule(key[len("base_model.model."):].split(".lora_A.")[0])
                 module.weight += scale * adapter[key.replace("lora_A", "lora_B")] @ a
     return model
+
+
+def make_peft_folder(out: Path, base: Path, modules: tuple[str, ...], rank: int, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter folder for the Hugging Face folder `base` (adapter_config.json and
+    adapter_model.safetensors as PEFT's save_pretrained writes them), random A and B of `rank`
+    on each of its layers' `modules` (e.g. "q_proj"), lora_alpha = 2 * rank."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with safe_open(str(Path(base) / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith(".weight") and name.split(".")[-2] in modules:
+                out_f, in_f = f.get_slice(name).get_shape()
+                key = f"base_model.model.{name[:-len('.weight')]}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.2
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": rank,
+        "lora_alpha": 2 * rank, "target_modules": sorted(modules), "bias": "none", "use_dora": False}))
+    return out

@@ -134,7 +134,6 @@ def test_lora_flags_are_checked(runs, tmp_path):
     down = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
     for flags, fragment in [(["--lora", "a"], "write NAME=RUN"),
                             (["--lora", f"a={a}", "--lora", f"a={a}"], "each NAME once"),
-                            (["--lora", f"a={a}", "--compile"], "drop --compile or --lora"),
                             (["--lora", f"a={base}"], "--lora a: "),
                             (["--lora", f"p={_broken(peft, tmp_path / 'dora', {'use_dora': True})}"],
                              "--lora p: adapter_config.json sets use_dora=True, which llmsplit does not apply"),

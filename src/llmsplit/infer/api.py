@@ -141,7 +141,6 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
             raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU memory, "
                               f"and {why}")
         sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
-    split_layout(cfg, tp, pp, compile, len(lora or {}))
     # Read (and checked against the model) here, before any worker starts; each worker reads its own part.
     adapters = [run_adapters(run, f"--lora {name}", cfg) for name, run in (lora or {}).items()]
     if tp > 1 or pp > 1 or nodes.nnodes > 1:
@@ -217,7 +216,7 @@ def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int,
     if tp * pp == 1:
         raise ConfigError(f"--nnodes {nodes.nnodes} splits the model over machines, which needs --tp or --pp "
                           f"(their product is the workers of all nodes together); add one or drop --nnodes")
-    layout = split_layout(cfg, tp, pp, compile, len(lora or {}))
+    layout = split_layout(cfg, tp, pp, compile)
     if max_memory or offload_dir or device_map not in (None, "auto"):
         raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
                           "--max-memory and --offload-dir")

@@ -64,13 +64,10 @@ class SplitSpec:
         return rank_device(rank % per_node, per_node)
 
 
-def split_layout(cfg, tp: int, pp: int, compile: bool = False, adapters: int = 0) -> Layout:
-    """The layout of `--tp/--pp` (1, 1: one process, whose model then needs no splitting
-    rules), with --compile and the --lora adapters served, refused by the same rules training
-    and the planner use."""
+def split_layout(cfg, tp: int, pp: int, compile: bool = False) -> Layout:
+    """The layout of `--tp/--pp` (with --compile), refused by the same rules training and the planner use."""
     layout = Layout(tp=tp, pp=pp, sequence_parallel=False)
-    check(cfg if layout.world > 1 else None, layout,
-          Workload(seq_len=1, global_batch=1, mode="infer", compile=compile, lora_served=adapters))
+    check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer", compile=compile))
     return layout
 
 

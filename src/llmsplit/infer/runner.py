@@ -110,6 +110,17 @@ def _mark_static(t: torch.Tensor) -> None:
             _mark_static(getattr(t, name))
 
 
+def _rows_follow_the_batch(compiled):
+    """The compiled decode step with the bank's rows of the step (read by the hooks, so
+    reached through the modules) sized like the batch: dynamo gives tensors reached through
+    modules fixed sizes, which pinned the batched graph to its first batch size (one
+    recompile per new size). The bank's own A and B stay static (`mark_static`)."""
+    def decode(*args, **kwargs):
+        with torch._dynamo.config.patch(force_nn_module_property_static_shapes=False):
+            return compiled(*args, **kwargs)
+    return decode
+
+
 class Runner:
     def __init__(self, source, spec: PieceSpec):
         cfg = replace(source.config, max_seq_len=spec.max_context)
@@ -196,7 +207,6 @@ class Runner:
         projections one by one again (not fused), so that each projection's hook sees its own output."""
         from ..adapters.bank import AdapterBank
 
-        assert self._decode is None  # layout.rules refuses --lora with --compile: a graph would not see the hooks
         pieces = []
         for state in adapters:
             piece = {}
@@ -217,6 +227,10 @@ class Runner:
             if getattr(layer.feed_forward, "gate_up", None) is not None:
                 layer.feed_forward.gate_up = None
         self.bank = bank
+        if self._decode is not None:  # (compiled at load, after this: api._compile_decode_graphs)
+            self._decode = _rows_follow_the_batch(self._decode)
+            for t in (t for stack in bank.stacked for t in stack):
+                _mark_static(t)  # as the pools: they never change shape
 
     def _compiled_decode(self):
         """The model's forward compiled for decode steps (one new token per sequence). Each
@@ -298,6 +312,8 @@ class Runner:
         # an int, which dynamo would specialize at 0 and 1: positions below 2 run eager.
         if self._decode is not None and x.shape[1] == 1 and step.gather.shape[1] > 2:
             forward = self._decode
+            if self.bank is not None and adapters is None:  # one graph for every mix, the base's rows too
+                self.bank.set_rows(torch.zeros(x.shape[0], dtype=torch.long))
             if x.shape[0] > 1:
                 step = step.per_sequence()
                 self.cache.set_step(step)

@@ -236,10 +236,6 @@ def _check_inference(layout: Layout, work: Workload) -> None:
     """What a loaded model combines, checked by node 0 and by every other node of a split alike."""
     if work.compile and layout.world > 1:
         raise ConfigError("--compile applies to a model loaded in one process; drop it or --tp/--pp")
-    if work.compile and work.lora_served:
-        # The bank's hooks group each step's rows by adapter, a data-dependent layout that a
-        # compiled graph would either not see or recompile for (adapters/bank.py).
-        raise ConfigError("--lora serves adapters over an eager model in this version; drop --compile or --lora")
 
 
 def _check_quantized_base(model: LlamaConfig | None, layout: Layout, work: Workload) -> None:

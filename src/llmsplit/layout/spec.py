@@ -85,7 +85,6 @@ class Workload:
     lora_base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA)
     quantize: str = "none"  # infer: "int8" | "int4" weights kept packed (llmsplit.quant)
     compile: bool = False  # infer: decode steps run compiled (--compile)
-    lora_served: int = 0  # infer: LoRA adapters served over the model (serve --lora)
 
     @property
     def compute_bytes(self) -> int:
