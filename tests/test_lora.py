@@ -42,7 +42,7 @@ def test_adapters_start_as_the_base_and_only_they_train():
 def test_the_cpu_lora_matmul_gives_the_float64_products_and_gradients(bias):
     """A float32 CPU LoRA layer computes through _LoRAMatmul (oneDNN, backward by hand): its output
     and the gradients of its input, bias and adapters are float64 autograd's; the frozen weight
-    gets none. With dropout in training it takes the composed path (dropout's mask is F.dropout's)."""
+    gets none; with dropout, the adapter's input is F.dropout's."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch is built without oneDNN: LoRA layers take the composed path")
     torch.manual_seed(0)
@@ -68,10 +68,20 @@ def test_the_cpu_lora_matmul_gives_the_float64_products_and_gradients(bias):
             ((("bias", layer.bias.grad),) if bias else ()):
         torch.testing.assert_close(got.double(), wide[name].grad, rtol=1e-5, atol=1e-6)
     assert layer.weight.grad is None
-    layer.lora_dropout = 0.1
-    assert type(layer(x).grad_fn).__name__ != "_LoRAMatmulBackward"
-    layer.eval()
-    assert type(layer(x).grad_fn).__name__ == "_LoRAMatmulBackward"
+    # With dropout the adapter sees F.dropout(x) (the same mask from the same seed) and the base x.
+    layer.lora_dropout, x.grad, layer.lora_a.grad = 0.5, None, None
+    torch.manual_seed(1)
+    out = layer(x)
+    out.backward(grad)
+    torch.manual_seed(1)
+    keep = torch.nn.functional.dropout(torch.ones_like(x), 0.5).double()  # the same draws: F.dropout's mask
+    xd, a = x.detach().double().requires_grad_(), layer.lora_a.detach().double().requires_grad_()
+    want = torch.nn.functional.linear(xd, layer.weight.double(), layer.bias.double() if bias else None) + \
+        ((xd * keep) @ a.T @ layer.lora_b.double().T) * 2.0
+    want.backward(grad.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.lora_a.grad.double(), a.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_a_checkpoint_of_a_tied_model_holds_the_adapters_only():

@@ -14,8 +14,8 @@ Initialisation as PEFT's default: A kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt
 1/sqrt(in))), B zeros, drawn whole from (seed, parameter name) as the base weights are, so
 every layout starts from the same adapters.
 
-On the CPU, a float32 LoRA layer (no dropout in training, no autocast, plain tensors: not tensor
-parallel's DTensors, not a quantized base) computes through `_LoRAMatmul`: its base and adapter
+On the CPU, a float32 LoRA layer (no autocast, plain tensors: not tensor parallel's DTensors, not
+a quantized base) computes through `_LoRAMatmul`: its base and adapter
 products run on oneDNN, and its backward computes no weight gradient for the frozen base.
 """
 
@@ -42,11 +42,12 @@ class LoRALinear(nn.Linear):
     lora_dropout: float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.lora_dropout and self.training) and _onednn_runs(x, self.weight, self.bias, self.lora_a,
-                                                                      self.lora_b):
-            return _LoRAMatmul.apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.lora_scale)
+        dropped = self.lora_dropout and self.training
+        h = F.dropout(x, self.lora_dropout, self.training) if dropped else x  # what the adapter sees
+        if _onednn_runs(x, self.weight, self.bias, self.lora_a, self.lora_b):
+            return _LoRAMatmul.apply(x, h if dropped else None, self.weight, self.bias, self.lora_a, self.lora_b,
+                                     self.lora_scale)
         out = super().forward(x)  # the base layer's product (nn.Linear's, or qlora.NF4Linear's)
-        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         return out + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scale
 
 
@@ -69,38 +70,45 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
 
 
 class _LoRAMatmul(torch.autograd.Function):
-    """x W^T + b + s (x A^T) B^T, its backward by hand: on the CPU, F.linear's matmul is MKL's
-    sgemm, which on an AMD CPU runs its AVX2 code even where AVX-512 is there (this machine's AMD
-    EPYC: 95-100 GFLOP/s on one thread for the shapes of a 24M-parameter Llama); oneDNN's fp32
-    matmul, in torch as `mkldnn._linear_pointwise`, runs AVX-512 at 200-230 GFLOP/s, float32
-    throughout (about 1e-6 of the largest value from a float64 product, MKL's 5e-7). The scale
-    multiplies the [tokens, rank] product rather than the [tokens, out] one, and the adapter's
-    product is added into the base's in place; W (frozen) gets no gradient, so backward runs
-    its input's product only."""
+    """x W^T + b + s (h A^T) B^T (h: x after the adapter's dropout, or x), its backward by hand: on
+    the CPU, F.linear's matmul is MKL's sgemm, which on an AMD CPU runs its AVX2 code even where
+    AVX-512 is there (this machine's AMD EPYC: 95-100 GFLOP/s on one thread for the shapes of a
+    24M-parameter Llama); oneDNN's fp32 matmul, in torch as `mkldnn._linear_pointwise`, runs
+    AVX-512 at 200-230 GFLOP/s, float32 throughout (about 1e-6 of the largest value from a float64
+    product, MKL's 5e-7). The scale multiplies the [tokens, rank] product rather than the
+    [tokens, out] one, and the adapter's product is added into the base's in place; W (frozen)
+    gets no gradient, so backward runs its input's product only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scale):
+    def forward(ctx, x, h, weight, bias, lora_a, lora_b, scale):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        xa = _mm(x2, lora_a).mul_(scale)  # [tokens, rank]
+        h2 = x2 if h is None else h.reshape(-1, h.shape[-1]).contiguous()
+        xa = _mm(h2, lora_a).mul_(scale)  # [tokens, rank]
         out = _mm(x2, weight, bias).add_(_mm(xa, lora_b))
-        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
+        ctx.save_for_backward(x2, None if h is None else h2, weight, lora_a, lora_b, xa)
         ctx.scale, ctx.shape = scale, x.shape
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        x2, h2, weight, lora_a, lora_b, xa = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        need_x, need_h, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         gxa = _mm(g, lora_b.t()).mul_(ctx.scale)  # [tokens, rank]
-        grad_x = _mm(g, weight.t()).add_(_mm(gxa, lora_a.t())).view(ctx.shape) if need_x else None
+        grad_x = grad_h = None
+        if h2 is None:  # the adapter saw x itself: both products' input gradients go to x
+            grad_x = _mm(g, weight.t()).add_(_mm(gxa, lora_a.t())).view(ctx.shape) if need_x else None
+        else:
+            grad_x = _mm(g, weight.t()).view(ctx.shape) if need_x else None
+            grad_h = _mm(gxa, lora_a.t()).view(ctx.shape) if need_h else None
         grad_w = _mm(g.t().contiguous(), x2.t()) if need_w else None  # only if someone unfroze the base
         grad_bias = g.sum(0) if need_bias else None
         # Weight gradients as [rank, features] products: a transposed [rank, tokens] input is copied
         # (oneDNN takes its input dense), a transposed weight is not (it reorders weights anyway).
-        grad_a = _mm(gxa.t().contiguous(), x2.t()) if need_a else None
+        h2 = x2 if h2 is None else h2
+        grad_a = _mm(gxa.t().contiguous(), h2.t()) if need_a else None
         grad_b = _mm(xa.t().contiguous(), g.t()).t().contiguous() if need_b else None
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+        return grad_x, grad_h, grad_w, grad_bias, grad_a, grad_b, None
 
 
 def is_adapter(name: str) -> bool:
