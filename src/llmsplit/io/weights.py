@@ -32,7 +32,9 @@ def open_weights(path: str | Path, what: str = "--model"):
         from .gguf import GGUFWeights
 
         return GGUFWeights(path)
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+    from .peft_adapter import is_peft_folder
+
+    if is_peft_folder(path) and not (path / "config.json").is_file():
         from .peft_adapter import peft_base, read_peft
 
         base = open_weights(peft_base(path, f"{what} {str(path)!r}"), what=f"{what} {str(path)!r}'s base model")
