@@ -18,6 +18,20 @@ def test_benchmark_suite_runs_end_to_end_in_quick_mode(tmp_path):
     assert "quick mode" in text and "| **ratio** |" in text
 
 
+def test_a_baseline_that_crashes_after_writing_its_results_keeps_them_and_one_before_fails(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.procs import run_until_results
+
+    out = tmp_path / "out.json"
+    after = [sys.executable, "-c", f"open({str(out)!r}, 'w').write('{{}}'); import os; os.abort()"]
+    with open(tmp_path / "log", "w") as log:
+        assert run_until_results(after, out, env=dict(os.environ), log=log) == 0
+    assert "results written, then the launcher exited" in capsys.readouterr().err
+    out.unlink()
+    before = [sys.executable, "-c", "raise SystemExit(1)"]
+    assert run_until_results(before, out, env=dict(os.environ)) == 1
+
+
 def _gpu_script():
     import importlib.util
 
