@@ -3,7 +3,14 @@ conversations whose lengths vary 10x (25 to 250 tokens), single process, fp32, t
 preset's sizes. Both train on the same conversations with the same mask; the figure is tokens
 that carry loss per second of forward + backward + AdamW step, and the padding share of
 each batch (packed: of all rows). Packed rows restart positions per conversation and use the block-diagonal mask
-(models/llama.py: document_mask); padded rows use plain causal attention."""
+(models/llama.py: document_mask); padded rows use plain causal attention.
+
+Two length distributions, both varying 10x: uniform on 25-250, and log-uniform on 25-250
+(as many conversations of 25-79 tokens as of 79-250: right-skewed, as chat datasets' lengths
+are). At equal cost per row the ratio is bounded by (1 - packed padding) / (1 - padded
+padding), printed beside each; a ratio above it means a packed row cost less than a padded
+one. Each arm trains on rows drawn at random (seeded) from the whole dataset, not the first
+ones (best-fit decreasing puts the longest conversations in the first rows)."""
 
 from __future__ import annotations
 
@@ -14,14 +21,17 @@ import time
 import numpy as np
 import torch
 
-SEQ, BATCH, STEPS, WARMUP = 256, 8, 5, 1
+SEQ, BATCH, STEPS, WARMUP = 256, 8, 8, 1
 
 
-def documents(n: int = 400):
+def documents(n: int = 400, spread: str = "uniform"):
     from llmsplit.data.chat import Documents
 
     rng = np.random.default_rng(0)
-    lengths = rng.integers(25, 251, n)
+    if spread == "uniform":
+        lengths = rng.integers(25, 251, n)
+    else:  # log-uniform: exp of a uniform draw between log 25 and log 251
+        lengths = np.exp(rng.uniform(np.log(25), np.log(251), n)).astype(np.int64)
     tokens = rng.integers(0, 256, int(lengths.sum()))
     mask = (rng.random(len(tokens)) < 0.5).astype(np.uint8)
     return Documents(tokens, mask, np.concatenate([[0], np.cumsum(lengths)]))
@@ -59,35 +69,52 @@ def run(model, batches) -> float:
     return loss_tokens / sum(times)
 
 
-def main(argv) -> None:
+def measure(spread: str, rounds: int = 3) -> dict:
+    """{"padded"|"packed": [(rate, padding share), ...]} for one length distribution."""
     from llmsplit.data.packing import PackedSampler
     from llmsplit.models.llama import LlamaConfig, Transformer
     from llmsplit.models.presets import PRESETS
 
     torch.manual_seed(0)
-    docs = documents()
+    docs = documents(spread=spread)
     cfg = LlamaConfig(**{**PRESETS["tiny"], "max_seq_len": SEQ})
     packed = PackedSampler(docs, SEQ, BATCH, seed=0)
+    n = (STEPS + WARMUP) * BATCH
+    rng = np.random.default_rng(1)
+    doc_ids = rng.permutation(len(docs.offsets) - 1)[:n]
+    row_ids = rng.permutation(len(packed.first) - 1)[:n]
+    lengths = np.diff(docs.offsets)[doc_ids]
+    in_rows = sum(int(packed.lengths[packed.order[packed.first[r]:packed.first[r + 1]]].sum()) for r in row_ids)
+    pads = {"padded": 1 - float(np.minimum(lengths - 1, SEQ).sum()) / (n * SEQ), "packed": 1 - in_rows / (n * (SEQ + 1))}
     results = {}
-    for name in ("padded", "packed", "padded", "packed"):
+    for name in ("padded", "packed") * rounds:
         model = Transformer(cfg)
         model.init_weights(0)
-        if name == "packed":
-            batches = [packed.rows(list(range(s * BATCH, (s + 1) * BATCH))) for s in range(STEPS + WARMUP)]
-            pad = packed.padding_fraction()
-        else:
-            batches = [padded_rows(docs, list(range(s * BATCH, (s + 1) * BATCH))) for s in range(STEPS + WARMUP)]
-            lengths = np.diff(docs.offsets)[:(STEPS + WARMUP) * BATCH]
-            pad = 1 - float(np.minimum(lengths - 1, SEQ).sum()) / (len(lengths) * SEQ)
-        rate = run(model, batches)
-        results.setdefault(name, []).append((rate, pad))
+        ids = row_ids if name == "packed" else doc_ids
+        make = packed.rows if name == "packed" else (lambda chunk: padded_rows(docs, chunk))
+        batches = [make([int(i) for i in ids[s * BATCH:(s + 1) * BATCH]]) for s in range(STEPS + WARMUP)]
+        results.setdefault(name, []).append((run(model, batches), pads[name]))
+    return results
+
+
+def main(argv) -> None:
+    from llmsplit.models.llama import LlamaConfig, Transformer
+    from llmsplit.models.presets import PRESETS
+
+    cfg = LlamaConfig(**{**PRESETS["tiny"], "max_seq_len": SEQ})
     print(f"tiny preset ({sum(p.numel() for p in Transformer(cfg).parameters()) / 1e6:.1f}M), rows of {SEQ} tokens, "
           f"batch {BATCH}, {STEPS} timed steps, conversations of 25-250 tokens, {torch.get_num_threads()} threads")
-    print("| rows | tokens with loss / s (per round) | padding share |\n| --- | ---: | ---: |")
-    for name, rounds in results.items():
-        print(f"| {name} | {', '.join(f'{r:.0f}' for r, _ in rounds)} | {rounds[0][1]:.1%} |")
-    ratio = statistics.median(r for r, _ in results["packed"]) / statistics.median(r for r, _ in results["padded"])
-    print(f"packed / padded: {ratio:.2f}x")
+    print("| lengths | rows | tokens with loss / s (per round) | padding share |\n| --- | --- | ---: | ---: |")
+    ratios = {}
+    for spread in ("uniform", "log-uniform"):
+        results = measure(spread)
+        for name, rounds in results.items():
+            print(f"| {spread} | {name} | {', '.join(f'{r:.0f}' for r, _ in rounds)} | {rounds[0][1]:.1%} |")
+        median = {name: statistics.median(r for r, _ in rounds) for name, rounds in results.items()}
+        bound = (1 - results["packed"][0][1]) / (1 - results["padded"][0][1])
+        ratios[spread] = (median["packed"] / median["padded"], bound)
+    for spread, (ratio, bound) in ratios.items():
+        print(f"{spread}: packed / padded {ratio:.2f}x (equal cost per row would give {bound:.2f}x)")
 
 
 if __name__ == "__main__":
