@@ -136,8 +136,9 @@ def test_one_process_holds_gradients_and_state_of_the_adapters_only(reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, sets", [(2, ["parallel.zero=0"]), (4, ["parallel.pp=2", "parallel.zero=1"]),
-                                         (4, ["parallel.zero=2", "parallel.dp_replicate=2"])],
-                         ids=["ddp", "pp2-zero1", "hybrid"])
+                                         (4, ["parallel.zero=2", "parallel.dp_replicate=2",
+                                              "memory.activation_checkpoint=full"])],
+                         ids=["ddp", "pp2-zero1", "hybrid-checkpointed"])
 def test_layouts_log_the_single_process_loss(reference, tmp_path, nproc, sets):
     train(tmp_path / "run", *MP, *sets, nproc=nproc)
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
