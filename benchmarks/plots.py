@@ -8,6 +8,7 @@ matplotlib is the `[plot]` extra: without it no plot is drawn and the report say
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -35,7 +36,8 @@ def bars(path: Path, title: str, labels: list[str], panels: list[tuple[str, list
         ax.set_ylabel(ylabel)
         ax.bar_label(drawn, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_ylim(0, max(values) * 1.18 if values and max(values) > 0 else 1)
-    fig.suptitle(title, fontsize=10)
+    # Wrapped to the figure's width: a long title (the serve benchmark's model line) ran off both edges.
+    fig.suptitle(textwrap.fill(title, int(48 * len(panels))), fontsize=10)
     return _save(fig, path)
 
 
