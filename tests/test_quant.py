@@ -62,6 +62,9 @@ def test_gguf_blocks_give_the_dequantized_weights():
         p = pack_groups(g)
         torch.testing.assert_close(p.dequantize(), want, atol=0.01 * want.abs().max().item(), rtol=0)
         assert torch.equal(p.groups().q, g.q)  # the repacked nibbles come back unchanged
+        rows = torch.tensor([63, 0, 33, 31, 32, 5, 5])  # both halves of a block, unsorted, repeated (a lookup)
+        picked = p.groups(rows)
+        assert torch.equal(picked.q, g.q[rows]) and torch.equal(picked.scale, p.groups().scale[rows])
         fused = torch.cat([p, p])  # whole blocks of 64 rows: the bytes just follow
         assert torch.equal(fused.dequantize(), torch.cat([p.dequantize()] * 2))
 
