@@ -27,8 +27,9 @@ def run_until_results(cmd: list[str], out: Path, *, env: dict, log=subprocess.DE
     alive at the end are stopped too.
 
     A teardown can also crash instead of hang: in CI a plain torchrun + DDP run exited 1 once
-    in some hundred runs, as the tp test workers did ('terminate called without an active
-    exception' at interpreter exit, after their results). Rank 0 writes `out` only after the
+    in some hundred runs, as the tp test workers do ('terminate called without an active
+    exception' at interpreter exit, after their results: a gloo worker thread decrefs a
+    finished collective's tensors while the interpreter finalizes; tests/test_parallel_units.py). Rank 0 writes `out` only after the
     last step's collectives, so once it exists every rank has done every step: such an exit
     is reported, with the log's tail, and the results are kept."""
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL
