@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llmsplit.launch import free_port
 
-from .procs import run_until_results
+from .procs import run_logged
 
 WARMUP = 3
 TITLE = "Training: llmsplit DDP vs a plain torchrun + DDP loop"
@@ -30,11 +30,7 @@ def run_plain(nproc: int, steps: int, out: Path, port: int) -> float:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            str(Path(__file__).with_name("plain_ddp.py")), "--steps", str(steps), "--out", str(out)]
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        code = run_until_results(cmd, out, env=env, log=f)
-    if code:
-        raise RuntimeError(f"plain torchrun + DDP exited {code}:\n{log.read_text()[-2000:]}")
+    run_logged(cmd, out, env=env, log_path=out.with_suffix(".log"))
     data = json.loads(out.read_text())
     return _median_tps(data["step_time_s"], data["tokens_per_step"])
 

@@ -2,7 +2,7 @@
 conversations whose lengths vary 10x (25 to 250 tokens), single process, fp32, the `tiny`
 preset's sizes. Both train on the same conversations with the same mask; the figure is tokens
 that carry loss per second of forward + backward + AdamW step, and the padding share of
-each batch (packed: of all rows). Packed rows restart positions per conversation and use the block-diagonal mask
+the rows trained on. Packed rows restart positions per conversation and use the block-diagonal mask
 (models/llama.py: document_mask); padded rows use plain causal attention.
 
 Two length distributions, both varying 10x: uniform on 25-250, and log-uniform on 25-250
@@ -69,15 +69,22 @@ def run(model, batches) -> float:
     return loss_tokens / sum(times)
 
 
-def measure(spread: str, rounds: int = 3) -> dict:
-    """{"padded"|"packed": [(rate, padding share), ...]} for one length distribution."""
-    from llmsplit.data.packing import PackedSampler
-    from llmsplit.models.llama import LlamaConfig, Transformer
+def _config():
+    from llmsplit.models.llama import LlamaConfig
     from llmsplit.models.presets import PRESETS
+
+    return LlamaConfig(**{**PRESETS["tiny"], "max_seq_len": SEQ})
+
+
+def measure(spread: str, rounds: int = 3) -> tuple[dict, dict]:
+    """({"padded"|"packed": [rate per round]}, {same: padding share of the rows trained on})
+    for one length distribution."""
+    from llmsplit.data.packing import PackedSampler
+    from llmsplit.models.llama import Transformer
 
     torch.manual_seed(0)
     docs = documents(spread=spread)
-    cfg = LlamaConfig(**{**PRESETS["tiny"], "max_seq_len": SEQ})
+    cfg = _config()
     packed = PackedSampler(docs, SEQ, BATCH, seed=0)
     n = (STEPS + WARMUP) * BATCH
     rng = np.random.default_rng(1)
@@ -86,33 +93,30 @@ def measure(spread: str, rounds: int = 3) -> dict:
     lengths = np.diff(docs.offsets)[doc_ids]
     in_rows = sum(int(packed.lengths[packed.order[packed.first[r]:packed.first[r + 1]]].sum()) for r in row_ids)
     pads = {"padded": 1 - float(np.minimum(lengths - 1, SEQ).sum()) / (n * SEQ), "packed": 1 - in_rows / (n * (SEQ + 1))}
-    results = {}
+    rates = {}
     for name in ("padded", "packed") * rounds:
         model = Transformer(cfg)
         model.init_weights(0)
         ids = row_ids if name == "packed" else doc_ids
         make = packed.rows if name == "packed" else (lambda chunk: padded_rows(docs, chunk))
         batches = [make([int(i) for i in ids[s * BATCH:(s + 1) * BATCH]]) for s in range(STEPS + WARMUP)]
-        results.setdefault(name, []).append((run(model, batches), pads[name]))
-    return results
+        rates.setdefault(name, []).append(run(model, batches))
+    return rates, pads
 
 
 def main(argv) -> None:
-    from llmsplit.models.llama import LlamaConfig, Transformer
-    from llmsplit.models.presets import PRESETS
+    from llmsplit.models.llama import Transformer
 
-    cfg = LlamaConfig(**{**PRESETS["tiny"], "max_seq_len": SEQ})
-    print(f"tiny preset ({sum(p.numel() for p in Transformer(cfg).parameters()) / 1e6:.1f}M), rows of {SEQ} tokens, "
+    print(f"tiny preset ({sum(p.numel() for p in Transformer(_config()).parameters()) / 1e6:.1f}M), rows of {SEQ} tokens, "
           f"batch {BATCH}, {STEPS} timed steps, conversations of 25-250 tokens, {torch.get_num_threads()} threads")
     print("| lengths | rows | tokens with loss / s (per round) | padding share |\n| --- | --- | ---: | ---: |")
     ratios = {}
     for spread in ("uniform", "log-uniform"):
-        results = measure(spread)
-        for name, rounds in results.items():
-            print(f"| {spread} | {name} | {', '.join(f'{r:.0f}' for r, _ in rounds)} | {rounds[0][1]:.1%} |")
-        median = {name: statistics.median(r for r, _ in rounds) for name, rounds in results.items()}
-        bound = (1 - results["packed"][0][1]) / (1 - results["padded"][0][1])
-        ratios[spread] = (median["packed"] / median["padded"], bound)
+        rates, pads = measure(spread)
+        for name, per_round in rates.items():
+            print(f"| {spread} | {name} | {', '.join(f'{r:.0f}' for r in per_round)} | {pads[name]:.1%} |")
+        median = {name: statistics.median(per_round) for name, per_round in rates.items()}
+        ratios[spread] = (median["packed"] / median["padded"], (1 - pads["packed"]) / (1 - pads["padded"]))
     for spread, (ratio, bound) in ratios.items():
         print(f"{spread}: packed / padded {ratio:.2f}x (equal cost per row would give {bound:.2f}x)")
 

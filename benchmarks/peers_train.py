@@ -30,7 +30,7 @@ from pathlib import Path
 
 from llmsplit.launch import free_port
 
-from .procs import run_until_results
+from .procs import run_logged
 
 TITLE = "Training: llmsplit DDP / ZeRO-1/2/3 vs DeepSpeed ZeRO-2/3 and Accelerate"
 HERE = Path(__file__).parent
@@ -75,14 +75,7 @@ def _env() -> dict:
 def _run(cmd: list[str], log: Path, out: Path | None = None) -> None:
     """`out`: the results file of a peer's launcher, which may hang in teardown after
     writing it (procs.run_until_results)."""
-    with open(log, "w") as f:
-        if out is None:
-            code = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
-        else:
-            code = run_until_results(cmd, out, env=_env(), log=f)
-    if code != 0:
-        tail = log.read_text()[-2000:]
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {code}:\n{tail}")
+    run_logged(cmd, out, env=_env(), log_path=log)
 
 
 def run_one(key: str, nproc: int, settings: list[str], tmp: Path) -> dict:

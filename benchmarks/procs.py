@@ -43,8 +43,8 @@ def run_until_results(cmd: list[str], out: Path, *, env: dict, log=subprocess.DE
                 try:
                     return _after_results(proc.wait(timeout=grace_s), cmd, log)
                 except subprocess.TimeoutExpired:
-                    print(f"{Path(cmd[2] if len(cmd) > 2 else cmd[0]).name}: results written but the workers did "
-                          f"not exit; stopping them", file=sys.stderr)
+                    print(f"{_name(cmd)}: results written but the workers did not exit; stopping them",
+                          file=sys.stderr)
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     return 0
@@ -58,13 +58,31 @@ def run_until_results(cmd: list[str], out: Path, *, env: dict, log=subprocess.DE
         _stop_leftovers(seen)
 
 
+def run_logged(cmd: list[str], out: Path | None, *, env: dict, log_path: Path, timeout_s: float = 1800.0) -> None:
+    """`cmd` with its output in `log_path`, through `run_until_results` when it writes results to
+    `out` (a peer's launcher, which may hang or crash in teardown), else to its end; a failure
+    raises with the log's tail."""
+    with open(log_path, "w") as f:
+        if out is None:
+            code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        else:
+            code = run_until_results(cmd, out, env=env, log=f, timeout_s=timeout_s)
+    if code:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {code}:\n{Path(log_path).read_text()[-2000:]}")
+
+
+def _name(cmd: list[str]) -> str:
+    """The script a launcher command runs (`python -m torch.distributed.run ... SCRIPT`), for messages."""
+    return Path(cmd[2] if len(cmd) > 2 else cmd[0]).name
+
+
 def _after_results(code: int, cmd: list[str], log) -> int:
     """0 for a launcher that failed only after its results were written (see run_until_results)."""
     if code:
         name = getattr(log, "name", None)
         tail = Path(name).read_text()[-1500:] if isinstance(name, str) and os.path.isfile(name) else ""
-        print(f"{Path(cmd[2] if len(cmd) > 2 else cmd[0]).name}: results written, then the launcher exited {code} "
-              f"in teardown; keeping the results\n{tail}", file=sys.stderr)
+        print(f"{_name(cmd)}: results written, then the launcher exited {code} in teardown; keeping the results\n"
+              f"{tail}", file=sys.stderr)
     return 0
 
 

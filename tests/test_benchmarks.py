@@ -18,8 +18,9 @@ def test_benchmark_suite_runs_end_to_end_in_quick_mode(tmp_path):
     assert "quick mode" in text and "| **ratio** |" in text
 
 
-def test_a_baseline_that_crashes_after_writing_its_results_keeps_them_and_one_before_fails(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT))
+def test_a_baseline_that_crashes_after_writing_its_results_keeps_them_and_one_before_fails(tmp_path, capsys,
+                                                                                            monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks.procs import run_until_results
 
     out = tmp_path / "out.json"
