@@ -19,7 +19,7 @@ from pathlib import Path
 
 from llmsplit.launch import free_port
 
-from .procs import run_until_results
+from .procs import run_logged
 
 WARMUP = 2
 TITLE = "Fine-tuning a Hugging Face Llama: llmsplit vs plain torchrun + DDP + transformers"
@@ -60,9 +60,7 @@ def run_plain(folder: Path, nproc: int, steps: int, shape: dict, out: Path, extr
            "--master-port", str(free_port()), str(Path(__file__).with_name("plain_hf_ddp.py")),
            "--model", str(folder), "--steps", str(steps), "--global-batch", str(shape["global_batch"]),
            "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]), "--out", str(out), *extra]
-    code = run_until_results(cmd, out, env=_env(nproc))
-    if code:
-        raise subprocess.CalledProcessError(code, cmd)
+    run_logged(cmd, out, env=_env(nproc), log_path=out.with_suffix(".log"))
     data = json.loads(out.read_text())
     return {"tps": data["tokens_per_step"] / statistics.median(data["step_time_s"][WARMUP:]), "loss1": data["loss"][0]}
 
