@@ -71,8 +71,7 @@ def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5)
 
 
 # Modules the template process imports once. Importing them starts no thread and runs no
-# OpenMP op, so a fork of the template is as safe to compute in (and to fork workers from,
-# see llmsplit.launch.start_method) as a fresh `python -m llmsplit`.
+# OpenMP op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
 TEMPLATE_IMPORTS = ["torch", "torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
                     "llmsplit.cli", "llmsplit.launch", "llmsplit.config", "llmsplit.train.entry",
                     "llmsplit.train.trainer", "llmsplit.parallel.apply", "llmsplit.infer.api", "llmsplit.plan.api"]

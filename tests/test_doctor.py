@@ -131,13 +131,13 @@ def test_the_training_thread_tuner_tries_one_thread_only_when_steps_slow_down(mo
     assert tuner.current == 1  # loaded from the start: the early trial finds it
     # The launcher's own count is marked as its own, recomputed by a later launch, and
     # tunable in the workers; one the user exported is kept and left alone.
-    _, env = prepare_workers(2)
+    _, env = prepare_workers(2, [])
     assert env[threads.CHOSEN_BY_LLMSPLIT] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.setenv(threads.CHOSEN_BY_LLMSPLIT, "1")
-    _, env = prepare_workers(4)
+    _, env = prepare_workers(4, [])
     assert env["OMP_NUM_THREADS"] != "7" and env[threads.CHOSEN_BY_LLMSPLIT] == "1"
     monkeypatch.delenv(threads.CHOSEN_BY_LLMSPLIT)
-    _, env = prepare_workers(4)
+    _, env = prepare_workers(4, [])
     assert env["OMP_NUM_THREADS"] == "7" and env[threads.CHOSEN_BY_LLMSPLIT] == "0"
     assert not threads.ThreadTuner(threads=2, uniform=True).enabled

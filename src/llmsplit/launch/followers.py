@@ -85,7 +85,7 @@ class Followers:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
         ranks = nodes.ranks(world)
-        method, threads = prepare_workers(len(ranks))
+        method, threads = prepare_workers(len(ranks), [entrypoint.__module__])
         timeout = timedelta(seconds=timeout_s)
         self.nodes, self.world, self.store = nodes, world, None
         if nodes.node_rank == 0:  # the job's store; on the other nodes the followers reach it themselves

@@ -4,6 +4,7 @@ failed worker reported."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -104,34 +105,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_fork_safe = False
-
-
 def claim_process_for_launching() -> None:
     """Called by the `llmsplit train` program before it computes anything: this process only
-    plans and launches, so it keeps to one thread. No OpenMP team is ever started in it, and
-    its workers may then be forked (see start_method)."""
-    global _fork_safe
+    plans and launches, so it keeps to one thread and leaves the cores to its workers."""
     torch.set_num_threads(1)
-    _fork_safe = True
 
 
 def start_method() -> str:
-    """How the launcher starts its workers. `spawn` (torchrun's way) imports torch afresh in
-    every worker: ~3 s each, so a 1-step run on 2 workers took 8.5 s and on 4 workers 11.4 s
-    on a 2-core machine; `fork` copies this process, torch already loaded (4.9 s and 5.0 s).
-    Fork only where that is safe: without CUDA (a forked child cannot use CUDA once the
-    parent touched it) and from a process that never ran a multi-threaded op, which only the
-    `llmsplit` program can promise (claim_process_for_launching): an OpenMP team that ran
-    before the fork hangs the child's first parallel op (checked: a 2-thread matmul in the
-    parent, then one in the child). `LLMSPLIT_START_METHOD` overrides."""
+    """How the launcher starts its workers: `forkserver` on the CPU, `spawn` (torchrun's
+    way) with CUDA. Never `fork`: the launching process runs threads of its own (the elastic
+    agent's TCPStore daemon, `pt_tcpstore_uv`, which formats peer addresses through glibc's
+    resolver as connections come and go), and a child forked while such a thread held
+    glibc's resolver lock deadlocks in its first TCPStore connect, and the other workers
+    with it in gloo's connectFullMesh (1 in 60 four-worker runs hung so; a bare torch
+    parent with a master TCPStore forking 8 clients hung 22 of 80). The forkserver is a
+    fresh interpreter, single-threaded, that imports torch and the workers' modules once
+    (`prepare_workers`' preload) and forks every worker from there: a 1-step run on 2
+    workers took 4.8-5.1 s (fork 3.7-4.5, spawn 5.3-6.3) and on 4 workers 5.6-5.8 s (fork
+    4.3-5.1, spawn 9.7-11.6) on a 2-core machine. CUDA keeps spawn, as torchrun does.
+    `LLMSPLIT_START_METHOD` overrides (fork only from a process that never ran a
+    multi-threaded op: an OpenMP team that ran before the fork hangs the child's first
+    parallel op)."""
     chosen = os.environ.get("LLMSPLIT_START_METHOD")
     if chosen:
         if chosen not in ("spawn", "fork", "forkserver"):
             raise ConfigError(f"LLMSPLIT_START_METHOD={chosen!r} is not one of spawn, fork, forkserver; "
                               f"unset it or pick one")
         return chosen
-    return "fork" if _fork_safe and not torch.cuda.is_available() else "spawn"
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def _preload(method: str, modules: list[str]) -> None:
+    """Import the workers' modules (DTensor, DCP: ~2 s) once rather than in every worker on
+    the same cores: in the forkserver, before it forks any worker, or here before a fork.
+    A forkserver already running (an earlier launch from this process) keeps what it has."""
+    if method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", *modules])
+    elif method == "fork":
+        for module in modules:
+            importlib.import_module(module)
 
 
 def _small_mmap_threshold() -> None:
@@ -187,11 +201,13 @@ def failure_error(failures: dict, doing: str = "") -> LaunchError:
                        details=carried.get("details"))
 
 
-def prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
+def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]]:
     """What every start of local workers shares (`launch` and `Followers`): torch's elastic
-    logging at warnings, the malloc policy, the start method, and each worker's thread
-    count, returned as the environment that carries it: the cores shared among the workers
-    instead of every worker taking all of them; values the user exported are kept."""
+    logging at warnings, the malloc policy, the start method with the workers' modules
+    (`preload`) imported once, and each worker's thread count, returned as the environment
+    that carries it: the cores shared among the workers instead of every worker taking all
+    of them; values the user exported are kept. The caller hands that environment to each
+    worker itself: a forkserver started by an earlier launch has an older one."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _small_mmap_threshold()
     # A count llmsplit chose is marked so: its workers may tune it (threads.ThreadTuner), and
@@ -200,14 +216,25 @@ def prepare_workers(nproc: int) -> tuple[str, dict[str, str]]:
         omp, chosen = os.environ["OMP_NUM_THREADS"], "0"
     else:
         omp, chosen = str(max(1, (os.cpu_count() or 1) // nproc)), "1"
-    return start_method(), {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: chosen}
+    method = start_method()
+    _preload(method, preload)
+    return method, {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: chosen}
+
+
+def _in_environment(environment: dict[str, str], entrypoint, *args):
+    """A worker of `launch`: the environment `prepare_workers` chose for this launch (torch's
+    elastic agent hands on only OMP_NUM_THREADS of it), then the entrypoint."""
+    os.environ.update(environment)
+    _small_mmap_threshold()
+    return entrypoint(*args)
 
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
-           timeout_s: float = 600.0) -> dict:
+           timeout_s: float = 600.0, preload: tuple[str, ...] = ()) -> dict:
     """Run `entrypoint(*args)` in nproc × nnodes workers; returns {global rank: return value}.
-    The nodes wait up to `timeout_s` for each other.
+    The nodes wait up to `timeout_s` for each other. `preload`: modules the workers import
+    besides the entrypoint's own, imported once for all of them (`prepare_workers`).
 
     The rendezvous is the static one (what `torchrun --node-rank --master-addr
     --master-port` uses): node 0 hosts a c10d TCPStore at master-addr:master-port and every
@@ -226,7 +253,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         if nnodes > 1:
             raise ValueError("--master-port is required with --nnodes > 1")
         master_port = free_port()
-    method, threads = prepare_workers(nproc)
+    method, threads = prepare_workers(nproc, [entrypoint.__module__, *preload])
     os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
@@ -236,7 +263,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
     )
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        return elastic_launch(config, _in_environment)(threads, entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None
     except DistError as e:

@@ -6,7 +6,6 @@ what the workers return, or the figures of the one that failed, handed back as d
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from ..config import Config, load_config, model_config, record_model_sizes, to_toml, validate
 from ..errors import ConfigError
-from ..launch import LaunchError, Nodes, default_nproc, launch, start_method, under_torchrun
+from ..launch import LaunchError, Nodes, default_nproc, launch, under_torchrun
 from ..models.llama import LlamaConfig
 
 
@@ -293,16 +292,13 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
 
     w = job.workers
     nproc = w.nproc or default_nproc()
-    if nproc > 1 and start_method() == "fork":
-        # Forked workers inherit what is imported here: import the trainer (DTensor, DCP:
-        # ~2 s) once, not once per worker on the same cores.
-        importlib.import_module("llmsplit.train.trainer")
     print(f"llmsplit: training on {job.world} worker(s) ({nproc} on this machine); run dir "
           f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
     try:
         returned = launch(run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
                           node_rank=w.node_rank, master_addr=w.master_addr, master_port=w.master_port,
-                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s)
+                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s,
+                          preload=("llmsplit.train.trainer",))
     except Exception as e:
         resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
         # torch records each worker's error in a file under the temporary folder: on a full

@@ -5,9 +5,10 @@ cannot write the same `.step_N.tmp` and metrics.jsonl at the same time.
 The lock is `flock` on RUN_DIR/.lock, which holds the holder's pid, host and command line
 for the message the second run prints. The kernel releases an flock when its holder exits
 or dies, so a lock file left by a dead process (a kill -9, a power cut) is simply taken
-again: there is no stale lock to clean up. Workers forked by the launcher share the lock
-(an flock belongs to the open file, which they inherit), so it stays held while any of them
-still writes; workers started by exec (spawn, torchrun) do not see the descriptor at all.
+again: there is no stale lock to clean up. The launcher holds it while it waits for its
+workers; workers forked straight from it (LLMSPLIT_START_METHOD=fork) share the lock too (an
+flock belongs to the open file, which they inherit), while workers from the forkserver or
+started by exec (spawn, torchrun) do not see the descriptor at all.
 """
 
 from __future__ import annotations
