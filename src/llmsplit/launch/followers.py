@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -92,7 +93,7 @@ class Followers:
             self.store = dist.TCPStore(nodes.master_addr, nodes.master_port or 0, world, is_master=True,
                                        wait_for_workers=False, timeout=timeout)
         self._log_dir = tempfile.mkdtemp(prefix="llmsplit-followers-")
-        job = {"MASTER_ADDR": "127.0.0.1" if self.store else nodes.master_addr,
+        job = {**os.environ, "MASTER_ADDR": "127.0.0.1" if self.store else nodes.master_addr,
                "MASTER_PORT": str(self.store.port if self.store else nodes.master_port),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(len(ranks)), **threads}
         # The ranks of this node but rank 0 (the calling process on node 0); start_processes

@@ -122,7 +122,10 @@ def start_method() -> str:
     fresh interpreter, single-threaded, that imports torch and the workers' modules once
     (`prepare_workers`' preload) and forks every worker from there: a 1-step run on 2
     workers took 4.8-5.1 s (fork 3.7-4.5, spawn 5.3-6.3) and on 4 workers 5.6-5.8 s (fork
-    4.3-5.1, spawn 9.7-11.6) on a 2-core machine. CUDA keeps spawn, as torchrun does.
+    4.3-5.1, spawn 9.7-11.6) on a 2-core machine (the test suite, whose command lines are
+    forked from a process with everything imported, pays 1.5-2.8 s a multi-worker run more
+    than a fork; the forkserver started at the program's start instead of at launch hid
+    none of it). CUDA keeps spawn, as torchrun does.
     `LLMSPLIT_START_METHOD` overrides (fork only from a process that never ran a
     multi-threaded op: an OpenMP team that ran before the fork hangs the child's first
     parallel op)."""
@@ -206,8 +209,11 @@ def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]
     logging at warnings, the malloc policy, the start method with the workers' modules
     (`preload`) imported once, and each worker's thread count, returned as the environment
     that carries it: the cores shared among the workers instead of every worker taking all
-    of them; values the user exported are kept. The caller hands that environment to each
-    worker itself: a forkserver started by an earlier launch has an older one."""
+    of them; values the user exported are kept. The caller hands each worker this
+    process's whole environment with it (`_in_environment`, Followers' envs): a worker forked
+    from the forkserver inherits the forkserver's, which is this process's environment as it
+    was when an earlier launch started the server (a variable unset since then still
+    reaches the workers)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _small_mmap_threshold()
     # A count llmsplit chose is marked so: its workers may tune it (threads.ThreadTuner), and
@@ -222,8 +228,9 @@ def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]
 
 
 def _in_environment(environment: dict[str, str], entrypoint, *args):
-    """A worker of `launch`: the environment `prepare_workers` chose for this launch (torch's
-    elastic agent hands on only OMP_NUM_THREADS of it), then the entrypoint."""
+    """A worker of `launch`: the launching process's environment at this launch (torch's
+    elastic agent hands on only OMP_NUM_THREADS of it, and the forkserver's own may be
+    older), then the entrypoint."""
     os.environ.update(environment)
     _small_mmap_threshold()
     return entrypoint(*args)
@@ -263,7 +270,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
     )
     try:
-        return elastic_launch(config, _in_environment)(threads, entrypoint, *args)
+        return elastic_launch(config, _in_environment)(dict(os.environ), entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None
     except DistError as e:
