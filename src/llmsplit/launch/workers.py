@@ -118,8 +118,9 @@ def start_method() -> str:
     resolver as connections come and go), and a child forked while such a thread held
     glibc's resolver lock deadlocks in its first TCPStore connect, and the other workers
     with it in gloo's connectFullMesh (1 in 60 four-worker runs hung so; a bare torch
-    parent with a master TCPStore forking 8 clients hung 22 of 80). The forkserver is a
-    fresh interpreter, single-threaded, that imports torch and the workers' modules once
+    parent with a master TCPStore forking 8 clients hung 17-22 of 80 in two sessions, from
+    a forkserver 0 of 80). The forkserver is a fresh interpreter, single-threaded, that
+    imports torch and the workers' modules once
     (`prepare_workers`' preload) and forks every worker from there: a 1-step run on 2
     workers took 4.8-5.1 s (fork 3.7-4.5, spawn 5.3-6.3) and on 4 workers 5.6-5.8 s (fork
     4.3-5.1, spawn 9.7-11.6) on a 2-core machine (the test suite, whose command lines are
