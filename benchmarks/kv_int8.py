@@ -1,5 +1,5 @@
-"""`--kv-dtype int8` against the compute-dtype KV cache on one model: pool bytes per token, mean
-NLL of 1,024 tokens of `pydoc_data.topics` read back through the pool (64-token chunks, so
+"""`--kv-dtype int8` and `--kv-dtype bfloat16` against the compute-dtype KV cache on one
+model: pool bytes per token, mean NLL of 1,024 tokens of `pydoc_data.topics` read back through the pool (64-token chunks, so
 every chunk attends to the earlier ones' keys and values from the pool), and greedy agreement
 over 64 new tokens on four short prompts.
 
@@ -36,11 +36,13 @@ def main(argv=None) -> int:
     import torch
 
     import llmsplit
+    from llmsplit.infer.kv_cache import KV_DTYPES
+
     from .quant import _text_ids
 
     torch.set_num_threads(a.threads)
     models = {kv or "compute dtype": llmsplit.load(a.model, max_context=1100, max_batch=1, kv_dtype=kv)
-              for kv in (None, "int8")}
+              for kv in (None, *KV_DTYPES)}
     ids = torch.tensor(_text_ids(next(iter(models.values())).tokenizer, 1023))
     nll = {}
     for name, m in models.items():
@@ -48,11 +50,12 @@ def main(argv=None) -> int:
         nll[name] = nll_through_the_pool(m, ids)
         print(f"{name}: {c.nbytes() / c.k[min(c.k)].shape[0]:.0f} pool bytes a token, mean NLL {nll[name]:.5f} "
               f"({ids.numel()} tokens), load {os.getloadavg()[0]:.1f}", flush=True)
-    same = [models["compute dtype"].generate(q, max_new_tokens=64, ignore_eos=True)
-            == models["int8"].generate(q, max_new_tokens=64, ignore_eos=True) for q in PROMPTS]
-    print(f"NLL int8 - compute dtype: {nll['int8'] - nll['compute dtype']:+.5f}; greedy 64 tokens identical on "
-          f"{sum(same)}/{len(same)} prompts ({', '.join(repr(q) for q, s in zip(PROMPTS, same) if not s) or 'all'} "
-          f"differ)", flush=True)
+    base = [models["compute dtype"].generate(q, max_new_tokens=64, ignore_eos=True) for q in PROMPTS]
+    for kv in KV_DTYPES:
+        same = [models[kv].generate(q, max_new_tokens=64, ignore_eos=True) == b for q, b in zip(PROMPTS, base)]
+        differ = ", ".join(repr(q) for q, s in zip(PROMPTS, same) if not s) or "none"
+        print(f"NLL {kv} - compute dtype: {nll[kv] - nll['compute dtype']:+.5f}; greedy 64 tokens identical on "
+              f"{sum(same)}/{len(same)} prompts ({differ} differ)", flush=True)
     return 0
 
 

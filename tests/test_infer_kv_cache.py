@@ -33,10 +33,10 @@ def test_blocks_are_returned_and_waste_is_small():
         pool.append(99, 4000 * 16 + 1)
 
 
-@pytest.mark.parametrize("kv_dtype,atol", [(None, 1e-5), ("int8", 3e-3)])
+@pytest.mark.parametrize("kv_dtype,atol", [(None, 1e-5), ("int8", 3e-3), ("bfloat16", 3e-3)])
 def test_sequences_of_different_lengths_decode_together(kv_dtype, atol):
-    """Also with the int8 pool (a scale per token and head): the full forward's logits to the
-    int8 rounding of the keys and values it reads back."""
+    """Also with the int8 pool (a scale per token and head) and the bfloat16 one under float32
+    compute: the full forward's logits to the rounding of the keys and values it reads back."""
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
     model.init_weights(1)
@@ -75,8 +75,11 @@ def test_sequences_of_different_lengths_decode_together(kv_dtype, atol):
                     start_pos=step.start)
     for row, (i, p) in enumerate(zip(ids, (9, 5, 7))):
         torch.testing.assert_close(out[row, 0], full[i][p], atol=atol, rtol=0)
-    if kv_dtype:  # 16 int8 values and a float32 scale a (token, head) against 16 float32 values
+    if kv_dtype == "int8":  # 16 int8 values and a float32 scale a (token, head) against 16 float32 values
         assert cache.nbytes() == 2 * CFG.n_layers * 16 * 4 * CFG.n_kv_heads * (CFG.head_dim + 4)
+    if kv_dtype == "bfloat16":
+        assert {p.dtype for p in cache.pools()} == {torch.bfloat16}
+        assert cache.nbytes() == 2 * CFG.n_layers * 16 * 4 * CFG.n_kv_heads * CFG.head_dim * 2
 
 
 def test_decodes_are_grouped_by_length_to_read_the_fewest_key_slots():

@@ -59,11 +59,13 @@ def test_one_prompt_at_a_time_equals_the_batch(folder, reference):
     assert_same(run(m2), reference)
 
 
-def test_int8_kv_cache(folder, reference):
-    """--kv-dtype int8: the batch (fused prefill and decode steps) gives the float cache's greedy
-    tokens, logits to int8 rounding, in the bytes placement counted: head_dim 16 here, so 16
-    bytes and a 4-byte scale a (token, head) against 64 (0.31x; 0.27x at SmolLM2's 64)."""
-    m, ref = llmsplit.load(folder, device_map="cpu", kv_dtype="int8"), llmsplit.load(folder, device_map="cpu")
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_a_narrow_kv_cache(folder, reference, kv_dtype):
+    """--kv-dtype int8 / bfloat16: the batch (fused prefill and decode steps) gives the float
+    cache's greedy tokens, logits to int8 / bfloat16 rounding, in the bytes placement counted:
+    head_dim 16 here, so int8's 16 bytes and a 4-byte scale a (token, head) against 64 (0.31x;
+    0.27x at SmolLM2's 64), bfloat16's 32 (0.5x)."""
+    m, ref = llmsplit.load(folder, device_map="cpu", kv_dtype=kv_dtype), llmsplit.load(folder, device_map="cpu")
     assert run(m)[1] == reference[1]
     ids = torch.tensor(PROMPTS[2] + PROMPTS[0] + PROMPTS[1] + PROMPTS[0])
 
@@ -80,8 +82,9 @@ def test_int8_kv_cache(folder, reference):
     assert 0 < (got - want).abs().max() < 0.01 * want.abs().max()
     fp32 = ref.placement.usage["cpu"]["kv_cache"]
     hd = m.config.head_dim
-    assert m.placement.usage["cpu"]["kv_cache"] == m.runner.cache.nbytes() == fp32 * (hd + 4) // (4 * hd)
-    with pytest.raises(ConfigError, match="--kv-dtype 'int4' is not one of: int8"):
+    narrow = fp32 * (hd + 4) // (4 * hd) if kv_dtype == "int8" else fp32 // 2
+    assert m.placement.usage["cpu"]["kv_cache"] == m.runner.cache.nbytes() == narrow
+    with pytest.raises(ConfigError, match="--kv-dtype 'int4' is not one of: int8, bfloat16"):
         llmsplit.load(folder, kv_dtype="int4")
 
 

@@ -125,7 +125,8 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
     `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
     "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
     `kv_dtype`: None keeps the KV cache in `dtype`; "int8" stores it as int8 with a scale per
-    (token, head), about 1/4 of float32's bytes and 1/2 of bfloat16's.
+    (token, head), about 1/4 of float32's bytes and 1/2 of bfloat16's; "bfloat16" stores it as
+    bfloat16 and attention reads it widened to `dtype` (half of float32's bytes).
     `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`).
     `n_cpu_moe`: keep the routed experts of the first N MoE layers in CPU memory (infer/cpu_experts.py)."""
     source = source if source is not None else open_weights(path, what="model path")

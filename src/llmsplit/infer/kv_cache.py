@@ -232,13 +232,13 @@ class PackedStep:
         return PackedStep(torch.cat(positions), torch.cat([p.slots for p in parts]), parts, torch.cat(pick))
 
 
-KV_DTYPES = ("int8",)  # --kv-dtype; default: the compute dtype
+KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype; default: the compute dtype
 
 
 def kv_element_bytes(dtype_bytes: int, head_dim: int, kv_dtype: str | None) -> float:
-    """Bytes one key (or value) element takes in the pool: the compute dtype's, or int8's 1 plus
-    its share of the float32 scale each (token, head) has."""
-    return 1 + 4 / head_dim if kv_dtype == "int8" else dtype_bytes
+    """Bytes one key (or value) element takes in the pool: the compute dtype's, bfloat16's 2, or
+    int8's 1 plus its share of the float32 scale each (token, head) has."""
+    return 1 + 4 / head_dim if kv_dtype == "int8" else 2 if kv_dtype == "bfloat16" else dtype_bytes
 
 
 class PagedKVCache:
@@ -249,13 +249,20 @@ class PagedKVCache:
     `k_scale`/`v_scale` ([blocks * block_size, kv_heads]), symmetric (amax / 127), as vLLM's
     and llama.cpp's 8-bit KV caches scale per token and head; stored as the step writes them,
     widened to `dtype` as attention reads them. head_dim 64: 68 bytes a (token, head) against
-    256 in float32 and 128 in bfloat16."""
+    256 in float32 and 128 in bfloat16.
+
+    `kv_dtype="bfloat16"` under a float32 compute dtype (the CPU's): the pools hold bfloat16 (as
+    llama.cpp's f16 cache) and attention reads them widened to float32. Decoding many long
+    sequences is bound by the bytes of keys and values read (46 KB a token for SmolLM2-135M
+    in float32, every step), and SDPA's own bfloat16 kernel is slower on CPUs without AMX than
+    gathering half the bytes and widening them: 32 streams of 100-1,200 tokens, one layer's
+    decode attention 3.5 against 5.0 ms on 2 cores (benchmarks/serve.py, BENCHMARKS.md)."""
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  layer_devices: dict[int, torch.device], dtype: torch.dtype, kv_dtype: str | None = None):
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.dtype, self.quantized = dtype, kv_dtype == "int8"
-        stored = torch.int8 if self.quantized else dtype
+        stored = torch.int8 if self.quantized else torch.bfloat16 if kv_dtype == "bfloat16" else dtype
         self.k = {i: torch.zeros(shape, device=d, dtype=stored) for i, d in layer_devices.items()}
         self.v = {i: torch.zeros(shape, device=d, dtype=stored) for i, d in layer_devices.items()}
         scales = {i: torch.ones(shape[:2], device=d) for i, d in layer_devices.items()} if self.quantized else {}
@@ -310,17 +317,17 @@ class PagedKVCache:
             if self.quantized:
                 scale = x.abs().amax(-1).float().clamp_(min=1e-12) / 127
                 scales[layer_id].index_copy_(0, slots, scale)
-                x = (x / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-            pool.index_copy_(0, slots, x)
+                x = (x / scale[..., None]).round_().clamp_(-127, 127)
+            pool.index_copy_(0, slots, x.to(pool.dtype))
 
     def _read(self, layer_id: int, gather: torch.Tensor, b: int):
         """Keys and values at the flattened slots `gather` of b sequences, [b, kv_heads, width, head_dim]."""
         out = []
         for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             pool = pools[layer_id]
-            x = pool.index_select(0, gather)
+            x = pool.index_select(0, gather).to(self.dtype)
             if self.quantized:
-                x = x.to(self.dtype) * scales[layer_id].index_select(0, gather).to(self.dtype)[..., None]
+                x = x * scales[layer_id].index_select(0, gather).to(self.dtype)[..., None]
             out.append(x.view(b, -1, *pool.shape[1:]).transpose(1, 2))
         return tuple(out)
 
