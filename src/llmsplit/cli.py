@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from .allocator import reuse_freed_memory
 from .cli_args import build_parser
 from .config import ConfigError
 from .launch import LaunchError
@@ -72,6 +73,7 @@ def cmd_generate(args) -> int:
     from .infer.api import generation_context
     from .io.weights import open_weights
 
+    reuse_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
@@ -197,6 +199,7 @@ def cmd_serve(args) -> int:
     from .infer.placement import parse_size
     from .launch import Nodes
 
+    reuse_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     try:
         from .infer.server import serve
     except ImportError as e:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..allocator import reapply_choice, reuse_freed_memory
 from ..errors import ConfigError
 from ..launch import Followers, Nodes
 from ..layout import Layout, Workload, check, stage_layers
@@ -160,6 +161,7 @@ def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: boo
 
 def _follow(spec: SplitSpec) -> None:
     """A follower rank: load its piece, then run the steps rank 0 broadcasts until it says stop."""
+    reuse_freed_memory()  # a worker of generate/serve: its steps reuse their memory (allocator.py)
     runner, mesh = _load_piece(spec)
     dist.barrier()
     while True:
@@ -190,6 +192,7 @@ class SplitRunner:
     def __init__(self, spec: SplitSpec):
         self.spec = spec
         self.followers = _followers(spec)
+        reapply_choice()  # starting the followers set the training workers' malloc policy here
         try:
             self.runner, self.mesh = _load_piece(spec)
             loaded = dist.barrier(async_op=True)

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
 
@@ -164,12 +165,8 @@ def _small_mmap_threshold() -> None:
     earlier launch from the same process sets it) would reach spawned workers but not forked
     ones, whose zero-3 peaks then came out 1.25-1.35x higher (in the test suite)."""
     value = os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).mallopt(-3, int(value))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError, ValueError):  # not glibc, or not a number (glibc ignores it too)
-        pass
+    if value.isdigit():  # not a number: glibc ignores it too
+        mallopt(M_MMAP_THRESHOLD, int(value))
 
 
 # What the other ranks report once one rank has died: the peer's connection closed under
