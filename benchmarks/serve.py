@@ -33,6 +33,7 @@ from .infer import _random_llama, _smollm_gguf
 
 TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, 2 threads)"
 BUDGET = 512  # llmsplit's --max-num-batched-tokens here
+NARROW_KV = "bfloat16"  # the second llmsplit row's --kv-dtype
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
                                                                  "/build/bin/llama-server"))
@@ -196,6 +197,9 @@ def main(quick: bool = False) -> dict:
         # A step's budget: the running streams keep their pace while the 32 prompts fill, oldest first.
         budget = ("--max-num-batched-tokens", str(BUDGET))
         systems = {"llmsplit": lambda log: _llmsplit(model, log, here, clients, context, *budget)}
+        if not quick:  # half the bytes of keys and values read a step (llama-server's cache is f16)
+            systems[f"llmsplit --kv-dtype {NARROW_KV}"] = lambda log: _llmsplit(
+                model, log, here, clients, context, *budget, "--kv-dtype", NARROW_KV)
         if not quick and (PREVIOUS / "llmsplit").is_dir():
             systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context)
         if not quick and gguf is not None and LLAMA_SERVER.exists():
