@@ -1,7 +1,7 @@
 """`--kv-dtype int8` and `--kv-dtype bfloat16` against the compute-dtype KV cache on one
-model: pool bytes per token, mean NLL of 1,024 tokens of `pydoc_data.topics` read back through the pool (64-token chunks, so
-every chunk attends to the earlier ones' keys and values from the pool), and greedy agreement
-over 64 new tokens on four short prompts.
+model: pool bytes per token, mean NLL of 1,024 tokens of `pydoc_data.topics` read back
+through the pool (64-token chunks, so every chunk attends to the earlier ones' keys and
+values from the pool), and greedy agreement over 64 new tokens on four short prompts.
 
 `python -m benchmarks.kv_int8 --model SmolLM2-135M-Instruct.Q4_1.gguf [--threads 2]`
 """

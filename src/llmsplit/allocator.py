@@ -35,7 +35,7 @@ def mallopt(option: int, value: int) -> None:
         import ctypes
 
         ctypes.CDLL(None).mallopt(option, int(value))
-    except (OSError, AttributeError, ValueError):
+    except (OSError, AttributeError):
         pass
 
 

@@ -272,10 +272,10 @@ def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> Non
     p.add_argument("--quantize", choices=("int8", "int4", "none"), help="keep the weights packed: int8 (one scale "
                    "per row) or int4 (groups of 32) quantized at load; none widens a GGUF's own int4/int8 to --dtype "
                    "(default: a GGUF keeps its own, other models stay float)")
-    p.add_argument("--kv-dtype", choices=("int8", "bfloat16"), help="store the KV cache as int8 with a scale per token and "
-                   "head (about 1/4 of the float32 cache's bytes, 1/2 of bfloat16's), or as bfloat16 under a float32 "
-                   "compute dtype (1/2, and faster decoding of many long sequences on CPU) (default: the compute "
-                   "dtype)")
+    p.add_argument("--kv-dtype", choices=("int8", "bfloat16"), help="store the KV cache as int8 with a scale "
+                   "per token and head (about 1/4 of the float32 cache's bytes, 1/2 of bfloat16's), or as bfloat16 "
+                   "under a float32 compute dtype (1/2, and faster decoding of many long sequences on CPU) (default: "
+                   "the compute dtype)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
                    "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
     p.add_argument("--n-cpu-moe", type=number(int, at_least=1), metavar="N",
