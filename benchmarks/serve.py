@@ -6,7 +6,9 @@ slots as llmsplit has batch rows.
 Each of 32 clients sends one streaming request (a seeded workload: prompts of 16-1,024
 random token ids, 16-256 new tokens, greedy, EOS ignored, so every server does the same
 work); systems alternate round by round and medians are reported. Throughput is every
-output token over the wall time, TTFT is when a request's first text chunk arrives. For
+output token over the wall time, TTFT is when a request's first text chunk arrives, ITL
+(inter-token latency) the gaps between a stream's later chunks, all streams' gaps together:
+what a longer --max-num-batched-tokens costs the streams already running. For
 llmsplit alone: KV waste ((reserved - used) / reserved, sampled from /metrics during the
 load), a shared 1,000-token system prompt (second request's TTFT against the first's),
 100 json_schema responses validated, and the same load on a KV pool sized for 8 sequences
@@ -34,6 +36,9 @@ from .infer import _random_llama, _smollm_gguf
 TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, 2 threads)"
 BUDGET = 512  # llmsplit's --max-num-batched-tokens here
 NARROW_KV = "bfloat16"  # the second llmsplit row's --kv-dtype
+# SERVE_BUDGETS=1024,2048: a row for llmsplit at each of these --max-num-batched-tokens too (the
+# trade a budget makes: prompts fill in fewer steps, while each running stream waits a longer step).
+EXTRA_BUDGETS = [int(b) for b in os.environ.get("SERVE_BUDGETS", "").split(",") if b.strip()]
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
                                                                  "/build/bin/llama-server"))
@@ -76,25 +81,31 @@ def workload(n: int, seed: int, vocab: int, prompt=(16, 1024), new=(16, 256)) ->
             for _ in range(n)]
 
 
-def _one(url: str, prompt, new: int) -> tuple[float, float, int]:
-    """(latency s, time to first token s, completion tokens) of one streaming request."""
+def _one(url: str, prompt, new: int) -> tuple[float, float, int, list[float]]:
+    """(latency s, time to first token s, completion tokens, the gaps s between its text
+    chunks after the first: inter-token latency, a chunk being a token's text or, where the
+    server held text back, the tokens since) of one streaming request."""
     import httpx
 
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, gaps, last = None, 0, [], None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
+            chunk, now = json.loads(line[6:]), time.perf_counter()
+            if chunk.get("choices"):
+                if first is None:
+                    first = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return time.perf_counter() - t0, first, tokens
+    return time.perf_counter() - t0, first, tokens, gaps
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -129,13 +140,21 @@ def _load(url: str, jobs, watch_kv: bool = False) -> dict:
     wall = time.perf_counter() - t0
     done.set()
     ttft = sorted(r[1] for r in results if r[1] is not None)
+    itl = sorted(g for r in results for g in r[3])
     out = {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
            "tokens_per_s": sum(r[2] for r in results) / wall, "wall_s": wall,
-           "p50_ttft_s": statistics.median(ttft) if ttft else None,
-           "p99_ttft_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None}
+           "p50_ttft_s": _quantile(ttft, 0.5), "p99_ttft_s": _quantile(ttft, 0.99),
+           "p50_itl_s": _quantile(itl, 0.5), "p99_itl_s": _quantile(itl, 0.99)}
     if waste:
         out["kv_waste"] = statistics.median(waste)
     return out
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return statistics.median(sorted_values) if q == 0.5 else sorted_values[min(len(sorted_values) - 1,
+                                                                               int(q * len(sorted_values)))]
 
 
 def _prefix(url: str, vocab: int) -> dict:
@@ -200,6 +219,9 @@ def main(quick: bool = False) -> dict:
         if not quick:  # half the bytes of keys and values read a step (llama-server's cache is f16)
             systems[f"llmsplit --kv-dtype {NARROW_KV}"] = lambda log: _llmsplit(
                 model, log, here, clients, context, *budget, "--kv-dtype", NARROW_KV)
+        for tokens in EXTRA_BUDGETS:
+            systems[f"llmsplit --max-num-batched-tokens {tokens}"] = lambda log, tokens=tokens: _llmsplit(
+                model, log, here, clients, context, "--max-num-batched-tokens", str(tokens))
         if not quick and (PREVIOUS / "llmsplit").is_dir():
             systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context)
         if not quick and gguf is not None and LLAMA_SERVER.exists():
@@ -233,7 +255,8 @@ def main(quick: bool = False) -> dict:
         finally:
             _stop(proc)
         print(f"extra: {extra}", file=sys.stderr)
-    summary = {name: {k: statistics.median(x[k] for x in rs) for k in ("tokens_per_s", "p50_ttft_s", "p99_ttft_s")}
+    keys = ("tokens_per_s", "p50_ttft_s", "p99_ttft_s", "p50_itl_s", "p99_itl_s")
+    summary = {name: {k: _quantile(sorted(x[k] for x in rs if x[k] is not None), 0.5) for k in keys}
                for name, rs in runs.items()}
     wastes = [x["kv_waste"] for x in runs["llmsplit"] if "kv_waste" in x]
     summary["llmsplit"]["kv_waste"] = statistics.median(wastes) if wastes else None
@@ -248,12 +271,14 @@ def to_markdown(r: dict) -> list[str]:
            f"{r['prompt'][0]}-{r['prompt'][1]} token ids and {r['new'][0]}-{r['new'][1]} new tokens (seeded, greedy, "
            f"EOS ignored); llmsplit with --max-num-batched-tokens {BUDGET}; medians of {r['rounds']} alternating rounds; 1-min load average at each round's start: "
            f"{', '.join(f'{x:.2f}' for x in r['loadavg'])}.", "",
-           "| server | output tokens/s | llmsplit ÷ this | TTFT p50 s | TTFT p99 s |", "| --- | ---: | ---: | ---: | ---: |"]
+           "| server | output tokens/s | llmsplit ÷ this | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in s.items():
         out.append(f"| {name} | {row['tokens_per_s']:.1f} | {s['llmsplit']['tokens_per_s'] / row['tokens_per_s']:.2f}x "
-                   f"| {row['p50_ttft_s']:.2f} | {row['p99_ttft_s']:.2f} |")
+                   f"| {_seconds(row['p50_ttft_s'], 2)} | {_seconds(row['p99_ttft_s'], 2)} "
+                   f"| {_seconds(row['p50_itl_s'], 3)} | {_seconds(row['p99_itl_s'], 3)} |")
     for name in r["missing"]:
-        out.append(f"| {name} | not run (not found, or quick mode) | | | |")
+        out.append(f"| {name} | not run (not found, or quick mode) | | | | | |")
     e, waste = r["extra"], s["llmsplit"]["kv_waste"]
     out += ["", f"- KV waste under that load (llmsplit, /metrics every 0.5 s): "
                 f"{'not sampled' if waste is None else f'{100 * waste:.1f}% of reserved slots'}."]
@@ -267,6 +292,12 @@ def to_markdown(r: dict) -> list[str]:
     out.append(f"- KV pool for 8 sequences, {r['clients']} clients: {small['requests']} completed, {small['errors']} "
                f"errors, {small['preemptions']:.0f} preemptions, {small['tokens_per_s']:.1f} tokens/s.")
     return out
+
+
+def _seconds(x: float | None, digits: int) -> str:
+    """A latency cell; none measured (a stream of a single chunk: the quick mode's random
+    model has tokens that decode to no text) shows as a dash."""
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def plot(r: dict, out_dir) -> list:
