@@ -143,18 +143,18 @@ def _load(url: str, jobs, watch_kv: bool = False) -> dict:
     itl = sorted(g for r in results for g in r[3])
     out = {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
            "tokens_per_s": sum(r[2] for r in results) / wall, "wall_s": wall,
-           "p50_ttft_s": _quantile(ttft, 0.5), "p99_ttft_s": _quantile(ttft, 0.99),
-           "p50_itl_s": _quantile(itl, 0.5), "p99_itl_s": _quantile(itl, 0.99)}
+           "p50_ttft_s": _median(ttft), "p99_ttft_s": _p99(ttft), "p50_itl_s": _median(itl), "p99_itl_s": _p99(itl)}
     if waste:
         out["kv_waste"] = statistics.median(waste)
     return out
 
 
-def _quantile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    return statistics.median(sorted_values) if q == 0.5 else sorted_values[min(len(sorted_values) - 1,
-                                                                               int(q * len(sorted_values)))]
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _p99(sorted_values: list[float]) -> float | None:
+    return sorted_values[min(len(sorted_values) - 1, int(0.99 * len(sorted_values)))] if sorted_values else None
 
 
 def _prefix(url: str, vocab: int) -> dict:
@@ -256,7 +256,7 @@ def main(quick: bool = False) -> dict:
             _stop(proc)
         print(f"extra: {extra}", file=sys.stderr)
     keys = ("tokens_per_s", "p50_ttft_s", "p99_ttft_s", "p50_itl_s", "p99_itl_s")
-    summary = {name: {k: _quantile(sorted(x[k] for x in rs if x[k] is not None), 0.5) for k in keys}
+    summary = {name: {k: _median([x[k] for x in rs if x[k] is not None]) for k in keys}
                for name, rs in runs.items()}
     wastes = [x["kv_waste"] for x in runs["llmsplit"] if "kv_waste" in x]
     summary["llmsplit"]["kv_waste"] = statistics.median(wastes) if wastes else None
