@@ -15,7 +15,7 @@ from hf_models import make_hf_folder  # noqa: E402
 from llmsplit.config import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
-from llmsplit.infer import kv_cache  # noqa: E402
+from llmsplit.infer import kv_cache, paged_attention  # noqa: E402
 from llmsplit.infer.kv_cache import PackedStep  # noqa: E402
 from llmsplit.infer.scheduler import QueueFull, Request, Scheduler, ShuttingDown  # noqa: E402
 from llmsplit.io.tokenizer import ByteTokenizer, read_chat_template  # noqa: E402
@@ -407,12 +407,19 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(folder, monkeypa
     assert steps <= 7 * (1 + 64 // 12 + 1), steps
 
 
-def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypatch):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypatch, in_place):
     """Each step is one forward: prompts arriving together are prefilled side by side, packed
     in one row with the running sequences' decode tokens, under --max-num-batched-tokens;
-    every request's greedy tokens are those it gets alone (issue 19, item 3). The decodes run
-    in parts of similar lengths (a part costing 8 key slots here, so that they split)."""
+    every request's greedy tokens are those it gets alone (issue 19, item 3). With the paged
+    kernel the decodes are one part; on the gather path they run in parts of similar lengths
+    (a part costing 8 key slots here, so that they split)."""
+    if in_place and not paged_attention.available():
+        pytest.skip("no C compiler to build the paged kernel")
     monkeypatch.setattr(kv_cache, "PART_COST_SLOTS", 8)
+    if not in_place:
+        monkeypatch.setattr(paged_attention, "applies", lambda *a: False)
+        monkeypatch.setattr(paged_attention, "available", lambda: False)
     m = llmsplit.load(folder, max_batch=6, max_context=256, max_num_batched_tokens=64)
     e, forwards, decode_parts = m.engine, [], []
     forward = e.runner.forward
@@ -444,7 +451,7 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
     assert first[seqs[3].id] < first[seqs[2].id], first
     assert max(n for n, _ in forwards) <= 64
     assert max(parts for _, parts in forwards) >= 3  # the decodes and two prompts' chunks at least
-    assert max(decode_parts) >= 2
+    assert max(decode_parts) == 1 if in_place else max(decode_parts) >= 2
     whole = llmsplit.load(folder, max_batch=1, max_context=256)
     for prompt, n, seq in zip(prompts, news, seqs):
         assert seq.tokens == whole.engine.generate([whole.engine.new_sequence(prompt, SamplingParams(

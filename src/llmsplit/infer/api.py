@@ -170,7 +170,7 @@ def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None,
         raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} is less than max_batch {max_batch}: a "
                           f"full batch of decodes would leave no room for prompts; raise it to at least {max_batch}")
     engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context, prefix_caching,
-                    max_num_batched_tokens, one_decode_batch=compile)
+                    max_num_batched_tokens, one_decode_batch=compile or runner.decodes_in_place)
     if compile:
         _compile_decode_graphs(engine, max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg, adapters=list(lora or {}))

@@ -202,6 +202,10 @@ class SplitRunner:
             raise
         self.cfg = self.runner.cfg
 
+    @property
+    def decodes_in_place(self) -> bool:
+        return self.runner.decodes_in_place
+
     def forward(self, tokens: torch.Tensor, step, last_only: bool, adapters=None) -> torch.Tensor:
         dist.broadcast_object_list([(tokens, step, last_only, adapters)], src=0)
         return _step(self.runner, self.mesh, tokens, step, last_only, adapters)

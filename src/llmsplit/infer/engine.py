@@ -127,7 +127,9 @@ class Engine:
         # Tokens one step computes at most (decodes first, then prefill chunks): a long prompt
         # is then filled over several steps while the running sequences keep their pace.
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, max_batch)
-        self.one_decode_batch = one_decode_batch  # decodes in one part (a compiled graph's shape), else by length
+        # Decodes in one part: a compiled graph's shape, or where the paged kernel reads each
+        # sequence's own keys (runner.decodes_in_place); else in parts of similar lengths.
+        self.one_decode_batch = one_decode_batch
         self._next_id = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -163,7 +165,8 @@ class Engine:
         return chunks
 
     def _decode_groups(self, decoding: list[Sequence]) -> list[list[Sequence]]:
-        """A compiled decode graph takes one batch; eager, sequences of similar lengths attend together."""
+        """A compiled decode graph, or the paged kernel, takes one batch; else sequences of similar
+        lengths attend together (each part gathers keys as wide as its longest)."""
         if not decoding or self.one_decode_batch:
             return [decoding] if decoding else []
         by_id = {s.id: s for s in decoding}

@@ -16,8 +16,11 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from . import paged_attention
 
 
 # What one more part of a step costs (its own gather, mask and attention call in every layer),
@@ -279,36 +282,45 @@ class PagedKVCache:
     def set_step(self, step: Step | PackedStep | None) -> None:
         self._step, self._on = step, {}
 
+    def reads_in_place(self) -> bool:
+        """Whether decode attention runs the paged kernel over these pools (CPU, float32 compute):
+        it reads each sequence's own keys, so decodes need no grouping by length."""
+        pools = self.pools()
+        return (self.dtype == torch.float32 and all(p.device.type == "cpu" for p in pools)
+                and all(p.dtype in paged_attention.KINDS for p in pools) and paged_attention.available())
+
     @property
     def packed(self) -> bool:
         return isinstance(self._step, PackedStep)
 
-    def _indices(self, device: torch.device):
-        # Moved once per step and device, not once per layer.
-        if device not in self._on:
-            s = self._step
-            self._on[device] = (s.slots.to(device), s.gather.reshape(-1).to(device),
-                                None if s.mask is None else s.mask.to(device))
-        return self._on[device]
-
-    def update(self, layer_id: int, start_pos, k: torch.Tensor, v: torch.Tensor):
-        """Store the new k/v [b, kv_heads, s, head_dim]; return every key/value of each
-        sequence, [b, kv_heads, width, head_dim]."""
-        slots, gather, _ = self._indices(k.device)  # gather flattened: index_select is the cheapest read
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend, rule) -> torch.Tensor:
+        """Store the step's new k/v [b, kv_heads, s, head_dim] and attend each sequence's queries
+        q [b, heads, s, head_dim] to its own keys; returns [b, s, heads * head_dim]. Under a
+        PackedStep q is [1, heads, T, head_dim], each part attends to its own sequences' keys,
+        and the result is [1, T, heads * head_dim]. One-token parts on CPU run the paged kernel
+        over the pool in place, with `rule` = (scale, softcap, window) of the model's scores;
+        the others gather their keys and call the model's `attend(q, k, v, mask, start_pos)`."""
+        slots, parts = self._parts(q.device)
         self._store(layer_id, slots, k, v)
-        return self._read(layer_id, gather, k.shape[0])
-
-    def attend_packed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend):
-        """A PackedStep's q [1, heads, T, head_dim] and new k/v: store k/v, then attend each
-        part to its own keys with `attend(q, k, v, mask, start_pos)`; returns [1, T, heads * head_dim]."""
-        slots, parts = self._packed_indices(q.device)
-        self._store(layer_id, slots, k, v)
+        if not self.packed:
+            return self._attend_part(layer_id, q, parts[0], attend, rule)
         out, row = [], 0
-        for rows, b, gather, mask, start in parts:
-            q_part = q[0, :, row:row + rows].unflatten(1, (b, -1)).transpose(0, 1)  # [b, heads, s, head_dim]
-            out.append(attend(q_part, *self._read(layer_id, gather, b), mask, start).transpose(1, 2).reshape(rows, -1))
-            row += rows
+        for part in parts:
+            q_part = q[0, :, row:row + part.rows].unflatten(1, (part.b, -1)).transpose(0, 1)  # [b, heads, s, hd]
+            out.append(self._attend_part(layer_id, q_part, part, attend, rule).reshape(part.rows, -1))
+            row += part.rows
         return torch.cat(out)[None]
+
+    def _attend_part(self, layer_id: int, q: torch.Tensor, part: _Part, attend, rule) -> torch.Tensor:
+        b, heads, s, dim = q.shape
+        if part.lens is not None and paged_attention.applies(q, self.k[layer_id]):
+            scale, softcap, window = rule
+            out = paged_attention.decode(q[:, :, 0], self.k[layer_id], self.v[layer_id],
+                                         self.k_scale.get(layer_id), self.v_scale.get(layer_id),
+                                         part.gather, part.lens, scale, softcap, window)
+            return out.view(b, 1, heads * dim)
+        out = attend(q, *self._read(layer_id, part.gather.view(-1), b), part.mask, part.start)
+        return out.transpose(1, 2).reshape(b, s, heads * dim)
 
     def _store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for pools, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
@@ -331,14 +343,34 @@ class PagedKVCache:
             out.append(x.view(b, -1, *pool.shape[1:]).transpose(1, 2))
         return tuple(out)
 
-    def _packed_indices(self, device: torch.device):
+    def _parts(self, device: torch.device) -> tuple[torch.Tensor, list[_Part]]:
+        """The step's new-token slots and its parts on `device`: moved once per step and
+        device, not once per layer. A plain Step is one part."""
         if device not in self._on:
             s = self._step
-            self._on[device] = (s.slots.to(device), [
-                (p.slots.numel(), p.gather.shape[0], p.gather.reshape(-1).to(device),
-                 None if p.mask is None else p.mask.to(device),
-                 p.start.to(device) if isinstance(p.start, torch.Tensor) else p.start) for p in s.parts])
+            self._on[device] = (s.slots.to(device), [_Part.of(p, device) for p in
+                                                     (s.parts if isinstance(s, PackedStep) else [s])])
         return self._on[device]
 
-    def attn_mask(self, device: torch.device):
-        return self._indices(device)[2]
+
+class _Part(NamedTuple):
+    """One part of a step as attention reads it: `rows` query rows of `b` sequences, where each
+    sequence's keys are (`gather` [b, width] pool slots, int64), the mask and start positions
+    for the model's attention, and for one-token parts the number of keys of each (`lens`)."""
+    rows: int
+    b: int
+    gather: torch.Tensor
+    mask: torch.Tensor | None
+    start: int | torch.Tensor
+    lens: torch.Tensor | None
+
+    @staticmethod
+    def of(step: Step, device: torch.device) -> _Part:
+        b, rows = step.gather.shape[0], step.slots.numel()
+        start = step.start.to(device) if isinstance(step.start, torch.Tensor) else step.start
+        lens = None
+        if rows == b:  # one new token a sequence: it sees its keys up to and including itself
+            lens = (step.start + 1 if isinstance(step.start, torch.Tensor) else torch.full((b,), step.start + 1))
+            lens = lens.to(device=device, dtype=torch.int64)
+        return _Part(rows, b, step.gather.to(device).contiguous(), None if step.mask is None else step.mask.to(device),
+                     start, lens)

@@ -197,6 +197,10 @@ class Runner:
         self._decode = self._compiled_decode() if spec.compile else None
         self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
 
+    @property
+    def decodes_in_place(self) -> bool:
+        return self.cache.reads_in_place()
+
     def serve_adapters(self, names: list[str], adapters: list[dict], scales: list[float]) -> None:
         """Serve LoRA adapters (whole, checked against the model: `io.weights.run_adapters`) over
         this piece, each applied to the rows of the sequences that ask for it (adapters/bank.py).

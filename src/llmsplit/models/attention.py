@@ -73,17 +73,15 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        if kv_cache is not None and kv_cache.packed:
-            # Several sequences' tokens in one row (a fused prefill + decode step): the
-            # projections ran on all of them at once; each part attends to its own keys.
-            return self.wo(kv_cache.attend_packed(layer_id, q, k, v, self._attend))
         if kv_cache is not None:
-            k, v = kv_cache.update(layer_id, start_pos, k, v)
-            # A cache holding sequences of different lengths supplies the mask that hides
-            # each sequence's padding; it is the same for every layer of a step.
-            mask = kv_cache.attn_mask(x.device)
-        out = self._attend(q, k, v, mask, start_pos)
-        out = out.transpose(1, 2).reshape(b, s, -1)
+            # The cache stores the new keys and attends each sequence to its own: through
+            # `_attend` on keys it gathers, or for one-token queries with a kernel of its own
+            # over its pool, which follows the same scores rule. Under a fused prefill + decode
+            # step (several sequences' tokens in one row) each part attends to its own keys.
+            rule = (self.scale or self.head_dim ** -0.5, self.softcap, self.window)
+            out = kv_cache.attend(layer_id, q, k, v, self._attend, rule)
+        else:
+            out = self._attend(q, k, v, mask, start_pos).transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
 
     def _attend(self, q, k, v, mask, start_pos):

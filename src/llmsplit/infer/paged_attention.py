@@ -1,0 +1,147 @@
+"""Decode attention that reads the paged KV pool in place, on CPU (paged_attention.c).
+
+Why by hand: PyTorch has no paged-attention kernel on CPU (SDPA takes each sequence's keys
+contiguous, padded to the longest), so without one every decode step first gathers every
+sequence's keys and values out of the pool into a padded copy, in every layer, and SDPA then
+reads the copy: a decode step of 28 streams on SmolLM2-135M spent 30% of its time in that
+gather and 32% in SDPA (BENCHMARKS.md). This kernel reads each sequence's own rows of the
+pool where they lie, once, with no padding: one layer's decode attention for 28 streams of
+100-1,200 tokens took 2.3 ms against 10.6-19.3 ms gathered (float32 pool, 2 threads; the
+bfloat16 pool 2.0 against 11.3-23.4 ms).
+
+It is built at first use with the C compiler torch.compile itself builds CPU kernels with
+(`cc`), for this CPU (-march=native), against the OpenMP runtime torch loaded (so its
+threads are torch's, `torch.get_num_threads()` of them), into a cache folder keyed by the
+source, the flags and the CPU: 0.3 s, once a machine. Plain C through ctypes rather than a
+torch C++ extension, whose headers take about a minute to compile. Where it cannot be built
+(no compiler, a torch without libgomp) or does not apply (another device, a compute dtype
+other than float32), the cache gathers and runs SDPA as before, which gives the same values
+to float rounding; `LLMSPLIT_PAGED_KERNEL=0` asks for that path too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("llmsplit.infer")
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+         "-fopenmp", "-fPIC", "-shared"]
+KINDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # pool dtype -> entry point
+
+
+class _Args(ctypes.Structure):
+    """paged_attention.c's Args, field for field."""
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("lens", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("b", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("dim", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("window", ctypes.c_int64), ("threads", ctypes.c_int64)]
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "llmsplit" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if compiler is None or not gomp.exists():
+        log.info("paged decode kernel not built (%s); decode attention gathers the keys",
+                 "no C compiler" if compiler is None else "this torch has no libgomp")
+        return None
+    source = SOURCE.read_bytes()
+    flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"]
+    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *flags]).encode(), _cpu_flags().encode()]))
+    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place: workers that start together never
+        # load a half-written library.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("paged decode kernel did not compile; decode attention gathers the keys:\n%s",
+                            done.stderr[-2000:])
+                return None
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    for kind in KINDS.values():
+        fn = getattr(lib, f"paged_decode_{kind}")
+        fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    return lib
+
+
+def _kernel() -> ctypes.CDLL | None:
+    global _library, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                if os.environ.get("LLMSPLIT_PAGED_KERNEL", "1") != "0":
+                    try:
+                        _library = _build()
+                    except OSError as e:  # a cache folder that cannot be written, a library that will not load
+                        log.warning("paged decode kernel unavailable (%s); decode attention gathers the keys", e)
+                _tried = True
+    return _library
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be, at this first call)."""
+    return _kernel() is not None
+
+
+def applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether decode attention for queries `q` over `pool` runs here (else: gather + SDPA)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and pool.dtype in KINDS
+            and not torch.compiler.is_compiling() and _kernel() is not None)
+
+
+def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None, slots: torch.Tensor, lens: torch.Tensor, scale: float,
+           softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+    """q [b, heads, dim] float32 (one query token per sequence) against pool rows slots[i, :lens[i]]
+    of the pools [rows, kv_heads, dim]: returns [b, heads, dim]. `applies` must hold."""
+    q = q.contiguous()
+    b, heads, dim = q.shape
+    out = torch.empty_like(q)
+    args = _Args(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                 k_scale.data_ptr() if k_scale is not None else None,
+                 v_scale.data_ptr() if v_scale is not None else None,
+                 slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                 b, heads, k_pool.shape[1], dim, slots.shape[1], scale, softcap or 0.0, window or 0,
+                 torch.get_num_threads())
+    if getattr(_kernel(), f"paged_decode_{KINDS[k_pool.dtype]}")(ctypes.byref(args)) != 0:
+        raise MemoryError("the paged decode kernel could not allocate its per-thread scores")
+    return out

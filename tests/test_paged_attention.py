@@ -1,0 +1,85 @@
+"""The paged decode kernel (infer/paged_attention.c) against the path it replaces: keys and
+values gathered out of the pool, then the model's own attention (SDPA, or the explicit scores
+of a soft-capped model), for every pool dtype, grouped-query heads, a sliding window and
+sequences of different lengths scattered over the pool."""
+
+import pytest
+import torch
+
+from llmsplit.infer import paged_attention
+from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
+from llmsplit.models.attention import Attention
+from llmsplit.models.llama import LlamaConfig
+
+pytestmark = pytest.mark.skipif(paged_attention._kernel() is None, reason="no C compiler to build the kernel")
+
+
+def _layer(window=None, softcap=None, heads=6, kv_heads=2, head_dim=16):
+    cfg = LlamaConfig(vocab_size=32, dim=heads * head_dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads,
+                      ffn_dim=32, max_seq_len=256, sliding_window=window, attn_softcap=softcap)
+    return Attention(cfg, sliding=window is not None)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0)])
+@pytest.mark.parametrize("batch", [1, 7])  # 1: the work split by kv head; 7: by sequence
+def test_kernel_matches_gathered_attention(kv_dtype, window, softcap, batch, monkeypatch):
+    torch.manual_seed(0)
+    attn = _layer(window, softcap)
+    heads, kv_heads, dim = 6, 2, 16
+    pool = BlockPool(num_blocks=64, block_size=4)
+    cache = PagedKVCache(64, 4, kv_heads, dim, {0: torch.device("cpu")}, torch.float32, kv_dtype)
+    lengths = [3 + 9 * i % 37 for i in range(batch)]
+    for t in range(max(lengths)):  # a token at a time, so the sequences' blocks interleave in the pool
+        for i, n in enumerate(lengths):
+            if t < n:
+                pool.append(i, 1)
+    ids = list(range(batch))
+    step = pool.step(ids, 1)
+    cache.set_step(step)
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim)
+    # Every slot random, then the step writes the newest keys.
+    cache.k[0].copy_(torch.randn(cache.k[0].shape).to(cache.k[0].dtype) if kv_dtype != "int8" else
+                     torch.randint(-127, 128, cache.k[0].shape, dtype=torch.int8))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape).to(cache.v[0].dtype) if kv_dtype != "int8" else
+                     torch.randint(-127, 128, cache.v[0].shape, dtype=torch.int8))
+    if kv_dtype == "int8":
+        cache.k_scale[0].uniform_(0.005, 0.02)
+        cache.v_scale[0].uniform_(0.005, 0.02)
+    rule = (attn.head_dim ** -0.5, attn.softcap, attn.window)
+    assert paged_attention.applies(q, cache.k[0])
+    got = cache.attend(0, q, k, v, attn._attend, rule)
+    # The same step on the gather path (the stored keys are rewritten alike).
+    monkeypatch.setattr(paged_attention, "applies", lambda *a: False)
+    cache.set_step(step)
+    want = cache.attend(0, q, k, v, attn._attend, rule)
+    assert got.shape == (batch, 1, heads * dim)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_step_decodes_through_the_kernel_and_chunks_through_sdpa(monkeypatch):
+    """A fused step (decodes of two sequences, a prefill chunk of a third): the one-token part
+    goes to the kernel, the chunk to the model's attention, and the rows come back in order."""
+    from llmsplit.infer.kv_cache import PackedStep
+
+    calls = []
+    real = paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    torch.manual_seed(1)
+    attn = _layer()
+    pool = BlockPool(num_blocks=32, block_size=4)
+    cache = PagedKVCache(32, 4, 2, 16, {0: torch.device("cpu")}, torch.float32)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    for i, n in ((0, 9), (1, 4)):
+        pool.append(i, n)
+    pool.append(2, 6)
+    step = PackedStep.pack([pool.step([0, 1], 1), pool.chunk(2, 0, 6)])
+    q, k, v = torch.randn(1, 6, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    cache.set_step(step)
+    got = cache.attend(0, q, k, v, attn._attend, (0.25, None, None))
+    assert calls == [(2, 6, 16)]
+    monkeypatch.setattr(paged_attention, "applies", lambda *a: False)
+    cache.set_step(step)
+    torch.testing.assert_close(got, cache.attend(0, q, k, v, attn._attend, (0.25, None, None)), atol=2e-5, rtol=1e-4)
