@@ -32,7 +32,8 @@ def bars(path: Path, title: str, labels: list[str], panels: list[tuple[str, list
     colors = [f"C{i}" for i in range(len(labels))]
     for ax, (ylabel, values) in zip(axes[0], panels):
         drawn = ax.bar(range(len(labels)), values, color=colors)
-        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        # Wrapped at spaces: long names ("llmsplit --kv-dtype bfloat16") ran into their neighbours.
+        ax.set_xticks(range(len(labels)), [textwrap.fill(label, 16, break_on_hyphens=False) for label in labels], fontsize=8)
         ax.set_ylabel(ylabel)
         ax.bar_label(drawn, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_ylim(0, max(values) * 1.18 if values and max(values) > 0 else 1)

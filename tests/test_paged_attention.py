@@ -83,3 +83,28 @@ def test_packed_step_decodes_through_the_kernel_and_chunks_through_sdpa(monkeypa
     monkeypatch.setattr(paged_attention, "applies", lambda *a: False)
     cache.set_step(step)
     torch.testing.assert_close(got, cache.attend(0, q, k, v, attn._attend, (0.25, None, None)), atol=2e-5, rtol=1e-4)
+
+
+def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (here `false`) leaves the kernel unbuilt, says so once in the log,
+    and the cache attends on the gather path with the same result."""
+    torch.manual_seed(2)
+    attn = _layer()
+    pool = BlockPool(num_blocks=16, block_size=4)
+    cache = PagedKVCache(16, 4, 2, 16, {0: torch.device("cpu")}, torch.float32)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    for i, n in enumerate((7, 3)):
+        pool.append(i, n)
+    step = pool.step([0, 1], 1)
+    q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    cache.set_step(step)
+    built = cache.attend(0, q, k, v, attn._attend, (0.25, None, None))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(paged_attention, "_library", None)
+    monkeypatch.setattr(paged_attention, "_tried", False)
+    assert not paged_attention.available() and not cache.reads_in_place()
+    assert "did not compile" in caplog.text
+    cache.set_step(step)
+    torch.testing.assert_close(cache.attend(0, q, k, v, attn._attend, (0.25, None, None)), built, atol=2e-5, rtol=1e-4)

@@ -6,8 +6,9 @@ Two halves: `BlockPool` is the bookkeeping (which blocks belong to which sequenc
 the process that drives generation; `PagedKVCache` is the storage of one process's layers.
 The driver turns the bookkeeping of a step into a `Step` (where the new keys go, where
 each sequence's keys are, the attention mask) that every process applies to its storage.
-Without a paged-attention kernel on CPU, attention reads a sequence's keys by gathering
-its slots; the gather is one indexed copy per layer.
+Decode attention on CPU reads each sequence's slots in place (`paged_attention`, a kernel
+of llmsplit's own: PyTorch has none); everywhere else attention reads a sequence's keys by
+gathering its slots, one indexed copy per layer, for the model's own attention (SDPA).
 """
 
 from __future__ import annotations

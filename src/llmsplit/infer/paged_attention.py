@@ -87,7 +87,8 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=300)
             if done.returncode != 0:
                 log.warning("paged decode kernel did not compile; decode attention gathers the keys:\n%s",
                             done.stderr[-2000:])
@@ -111,7 +112,7 @@ def _kernel() -> ctypes.CDLL | None:
                 if os.environ.get("LLMSPLIT_PAGED_KERNEL", "1") != "0":
                     try:
                         _library = _build()
-                    except OSError as e:  # a cache folder that cannot be written, a library that will not load
+                    except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a hung compiler
                         log.warning("paged decode kernel unavailable (%s); decode attention gathers the keys", e)
                 _tried = True
     return _library
@@ -133,6 +134,9 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale:
            softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q [b, heads, dim] float32 (one query token per sequence) against pool rows slots[i, :lens[i]]
     of the pools [rows, kv_heads, dim]: returns [b, heads, dim]. `applies` must hold."""
+    # The kernel reads raw memory: anything but these layouts would be read as garbage.
+    assert slots.dtype == lens.dtype == torch.int64 and slots.is_contiguous() and lens.is_contiguous()
+    assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype
     q = q.contiguous()
     b, heads, dim = q.shape
     out = torch.empty_like(q)
