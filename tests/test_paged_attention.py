@@ -6,6 +6,7 @@ sequences of different lengths scattered over the pool."""
 import pytest
 import torch
 
+from llmsplit import native
 from llmsplit.infer import paged_attention
 from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
 from llmsplit.models.attention import Attention
@@ -85,7 +86,7 @@ def test_packed_step_decodes_through_the_kernel_and_chunks_through_sdpa(monkeypa
     torch.testing.assert_close(got, cache.attend(0, q, k, v, attn._attend, (0.25, None, None)), atol=2e-5, rtol=1e-4)
 
 
-def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, caplog, request):
     """A compiler that fails (here `false`) leaves the kernel unbuilt, says so once in the log,
     and the cache attends on the gather path with the same result."""
     torch.manual_seed(2)
@@ -102,8 +103,9 @@ def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, cap
     built = cache.attend(0, q, k, v, attn._attend, (0.25, None, None))
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(paged_attention, "_library", None)
-    monkeypatch.setattr(paged_attention, "_tried", False)
+    native.forget(paged_attention.SOURCE)
+    # Built again (with the real compiler) by whichever test uses it next.
+    request.addfinalizer(lambda: native.forget(paged_attention.SOURCE))
     assert not paged_attention.available() and not cache.reads_in_place()
     assert "did not compile" in caplog.text
     cache.set_step(step)

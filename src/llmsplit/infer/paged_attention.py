@@ -9,35 +9,22 @@ pool where they lie, once, with no padding: one layer's decode attention for 28 
 100-1,200 tokens took 2.3 ms against 10.6-19.3 ms gathered (float32 pool, 2 threads; the
 bfloat16 pool 2.0 against 11.3-23.4 ms).
 
-It is built at first use with the C compiler torch.compile itself builds CPU kernels with
-(`cc`), for this CPU (-march=native), against the OpenMP runtime torch loaded (so its
-threads are torch's, `torch.get_num_threads()` of them), into a cache folder keyed by the
-source, the flags and the CPU: 0.3 s, once a machine. Plain C through ctypes rather than a
-torch C++ extension, whose headers take about a minute to compile. Where it cannot be built
-(no compiler, a torch without libgomp) or does not apply (another device, a compute dtype
-other than float32), the cache gathers and runs SDPA as before, which gives the same values
-to float rounding; `LLMSPLIT_PAGED_KERNEL=0` asks for that path too.
+It is built at first use by `llmsplit.native` (the C compiler, this CPU, torch's OpenMP
+runtime, a cache folder). Where it cannot be built or does not apply (another device, a
+compute dtype other than float32), the cache gathers and runs SDPA as before, which gives
+the same values to float rounding; `LLMSPLIT_PAGED_KERNEL=0` asks for that path too.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("llmsplit.infer")
+from .. import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fopenmp", "-fPIC", "-shared"]
 KINDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # pool dtype -> entry point
 
 
@@ -52,70 +39,10 @@ class _Args(ctypes.Structure):
                 ("window", ctypes.c_int64), ("threads", ctypes.c_int64)]
 
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "llmsplit" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    if compiler is None or not gomp.exists():
-        log.info("paged decode kernel not built (%s); decode attention gathers the keys",
-                 "no C compiler" if compiler is None else "this torch has no libgomp")
-        return None
-    source = SOURCE.read_bytes()
-    flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"]
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *flags]).encode(), _cpu_flags().encode()]))
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built beside the target and renamed into place: workers that start together never
-        # load a half-written library.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-            if done.returncode != 0:
-                log.warning("paged decode kernel did not compile; decode attention gathers the keys:\n%s",
-                            done.stderr[-2000:])
-                return None
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
-    for kind in KINDS.values():
-        fn = getattr(lib, f"paged_decode_{kind}")
-        fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
-    return lib
-
-
 def _kernel() -> ctypes.CDLL | None:
-    global _library, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("LLMSPLIT_PAGED_KERNEL", "1") != "0":
-                    try:
-                        _library = _build()
-                    except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a hung compiler
-                        log.warning("paged decode kernel unavailable (%s); decode attention gathers the keys", e)
-                _tried = True
-    return _library
+    return native.library(SOURCE, {f"paged_decode_{kind}": ([ctypes.POINTER(_Args)], ctypes.c_int)
+                                   for kind in KINDS.values()},
+                          "LLMSPLIT_PAGED_KERNEL", "decode attention gathers the keys")
 
 
 def available() -> bool:
