@@ -103,17 +103,16 @@ def by_batch(a) -> None:
 
 def ours_ms(path: str, quantize: str | None, profile: bool = False, compile: bool = False,
             aten_int4: bool = False) -> float:
-    """`aten_int4`: PyTorch's int4 kernel at one row too, not int4_matmul.c (LLMSPLIT_INT4_KERNEL=0)."""
-    from llmsplit import native
+    """`aten_int4`: PyTorch's int4 kernel at one row too, not int4_matmul.cpp (LLMSPLIT_INT4_KERNEL=0)."""
     from llmsplit.quant import kernels
 
     os.environ["LLMSPLIT_INT4_KERNEL"] = "0" if aten_int4 else "1"
-    native.forget(kernels.SOURCE)
+    kernels.forget_native_int4()
     try:
         return _ours_ms(path, quantize, profile, compile)
     finally:
         os.environ.pop("LLMSPLIT_INT4_KERNEL")
-        native.forget(kernels.SOURCE)
+        kernels.forget_native_int4()
 
 
 def _ours_ms(path: str, quantize: str | None, profile: bool, compile: bool) -> float:
@@ -150,7 +149,7 @@ def _profile(m, prompt, n: int = 64) -> None:
 
 
 def kernel_table() -> None:
-    """ms of CPU per one-row call, int4_matmul.c against aten's int4 kernel, on SmolLM2-135M's
+    """ms of CPU per one-row call, int4_matmul.cpp against aten's int4 kernel, on SmolLM2-135M's
     shapes with random weights: copies of each weight are cycled through (~64 MB, past the L3
     cache) so every call reads its weight from memory, as a decode step does."""
     import torch
@@ -159,13 +158,13 @@ def kernel_table() -> None:
     from llmsplit.quant.formats import Groups
 
     if not kernels.native_int4_available():
-        print("int4_matmul.c is not built on this machine (no compiler, or no AVX-512 VNNI/VBMI)")
+        print("int4_matmul.cpp is not built on this machine (no compiler, or no AVX-512 VNNI/VBMI)")
         return
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     shapes = {"gate/up [3072, 576]": (3072, 576, False), "down [576, 1536]": (576, 1536, False),
               "q/k/v [960, 576]": (960, 576, False), "o [576, 576]": (576, 576, False),
               "head Q8_0 [49152, 576]": (49152, 576, True)}
-    print(f"| one row, {torch.get_num_threads()} thread(s), weights cold | aten int4 ms | int4_matmul.c ms | ratio | GB/s |")
+    print(f"| one row, {torch.get_num_threads()} thread(s), weights cold | aten int4 ms | int4_matmul.cpp ms | ratio | GB/s |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, (rows, inn, doubled) in shapes.items():
         cols = inn * (2 if doubled else 1)

@@ -5,7 +5,7 @@ prints a markdown report:
 - quality: greedy tokens over 64 new tokens and the mean NLL over `--tokens` tokens of
   pydoc_data.topics (chunks of 512), the GGUF kept packed against the same file dequantized
   to float32 (`quantize="none"`); the packed rows both through the prompt path
-  (widened to bf16 tile by tile, bf16 GEMM) and through each decode kernel (aten's int4 kernel, int4_matmul.c: forced for every row count);
+  (widened to bf16 tile by tile, bf16 GEMM) and through each decode kernel (aten's int4 kernel, int4_matmul.cpp: forced for every row count);
   then the float32 model quantized at load, int8 and int4, by perplexity;
 - memory: the bytes of parameters and buffers each loaded model holds, and the peak RSS
   of a process that only loads the model (against the file size);
@@ -76,7 +76,7 @@ def quality(path: str, n_tokens: int) -> dict:
     try:
         kernels.KERNEL_MAX_ROWS, kernels.NATIVE_MAX_ROWS = 1 << 30, 0  # every row through aten's int4 kernel
         r["nll_packed_kernel"] = mean_nll(packed, ids)
-        if kernels.native_int4_available():  # every row through int4_matmul.c (int4 weights)
+        if kernels.native_int4_available():  # every row through int4_matmul.cpp (int4 weights)
             kernels.NATIVE_MAX_ROWS = 1 << 30
             r["nll_packed_native"] = mean_nll(packed, ids)
     finally:
@@ -156,7 +156,7 @@ def report(path: str, q: dict, s: dict, rss: dict, threads: int) -> str:
     rows = [("GGUF dequantized to fp32 (`quantize=\"none\"`)", "nll_fp32", "bytes_fp32"),
             ("GGUF kept packed, prompt path (bf16 tiles, bf16 GEMM)", "nll_packed_prompt_path", "bytes_packed"),
             ("GGUF kept packed, aten's int4 kernel on every row (bf16 in)", "nll_packed_kernel", "bytes_packed"),
-            ("GGUF kept packed, int4_matmul.c on every row (int16 in)", "nll_packed_native", "bytes_packed"),
+            ("GGUF kept packed, int4_matmul.cpp on every row (int16 in)", "nll_packed_native", "bytes_packed"),
             ("fp32 quantized at load: int8 (per row)", "nll_int8", "bytes_int8"),
             ("fp32 quantized at load: int4 (groups of 32)", "nll_int4", "bytes_int4")]
     for label, key, b in rows:

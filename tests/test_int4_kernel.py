@@ -1,4 +1,4 @@
-"""The int4 matmul for one row of x (quant/int4_matmul.c) against the dequantized weight's
+"""The int4 matmul for one row of x (quant/int4_matmul.cpp) against the dequantized weight's
 product: int4 quantized at load, GGUF Q4_1, and Q8_0 kept as two nibble matrices, over row
 counts that leave a padded last block; its fallback to PyTorch's kernel; and the compile
 cache key that says which of the two a graph calls."""
@@ -9,11 +9,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from llmsplit import native  # noqa: E402
 from llmsplit.quant import from_gguf_blocks, kernels, pack_groups, quantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.native_int4_available(),
-                                reason="no C compiler, or a CPU without AVX-512 VNNI/VBMI")
+                                reason="no C++ compiler, or a CPU without AVX-512 VNNI/VBMI")
 
 
 def _weights(rows, cols):
@@ -25,21 +24,20 @@ def _weights(rows, cols):
                                                  rows, cols))}
 
 
+def _kernel_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "llmsplit::int4_mm")
+
+
 @pytest.mark.parametrize("rows,cols", [(100, 128), (192, 576), (64, 32)])
-def test_one_row_matches_the_dequantized_product(rows, cols, monkeypatch):
-    calls = []
-    lib = kernels._native_int4()
-
-    class Counted:
-        def int4_matmul(self, args):
-            calls.append(args._obj.m)
-            return lib.int4_matmul(args)
-
-    monkeypatch.setattr(kernels, "_native_int4", Counted)
+def test_one_row_matches_the_dequantized_product(rows, cols):
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols))
     for kind, w in _weights(rows, cols).items():
         want = x @ w.dequantize().t()
-        got = torch.nn.functional.linear(x, w)
+        got = []
+        assert _kernel_calls(lambda: got.append(torch.nn.functional.linear(x, w))) == 1, kind
+        got = got[0]
         # x is kept to 15 bits a block of 32 (PyTorch's kernel rounds it to bfloat16's 8).
         assert got.shape == want.shape and (got - want).abs().max() < 1e-4 * want.abs().max(), kind
         threads = torch.get_num_threads()
@@ -48,7 +46,16 @@ def test_one_row_matches_the_dequantized_product(rows, cols, monkeypatch):
             assert torch.equal(torch.nn.functional.linear(x, w), got), "threads changed the sums"
         finally:
             torch.set_num_threads(threads)
-    assert calls == [1] * 6
+
+
+def test_the_operator_refuses_what_it_would_misread():
+    """Called directly with a layout it has no code for, the operator raises instead of reading
+    memory it does not own."""
+    w = _weights(100, 128)["q4_1"]
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.llmsplit.int4_mm(torch.randn(1, 128, dtype=torch.float64), w.packed, w.scales, 100, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.llmsplit.int4_mm(torch.randn(1, 96), w.packed, w.scales, 100, 32)
 
 
 def test_more_rows_and_no_kernel_run_pytorchs(monkeypatch, request):
@@ -61,9 +68,23 @@ def test_more_rows_and_no_kernel_run_pytorchs(monkeypatch, request):
     assert (torch.nn.functional.linear(x, w) - want).abs().max() < 0.01 * want.abs().max()
     key = w._stable_hash_for_caching()
     monkeypatch.setenv("LLMSPLIT_INT4_KERNEL", "0")
-    native.forget(kernels.SOURCE)
-    request.addfinalizer(lambda: native.forget(kernels.SOURCE))
+    kernels.forget_native_int4()
+    request.addfinalizer(kernels.forget_native_int4)
     assert not kernels.native_int4_available() and not kernels.native_int4_applies(x[:1], w)
-    got = torch.nn.functional.linear(x[:1], w)
+    got = []
+    assert _kernel_calls(lambda: got.append(torch.nn.functional.linear(x[:1], w))) == 0
+    got = got[0]
     assert (got - want[:1]).abs().max() < 0.01 * want.abs().max()
     assert w._stable_hash_for_caching() != key
+
+
+def test_without_a_compiler_pytorchs_kernel_runs(monkeypatch, tmp_path, request, caplog):
+    """A C++ compiler that fails (here `false`) leaves the kernel unbuilt, says so in the log,
+    and one row runs PyTorch's kernel."""
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernels.forget_native_int4()
+    request.addfinalizer(kernels.forget_native_int4)
+    w, x = _weights(100, 128)["int4"], torch.randn(1, 128)
+    assert not kernels.native_int4_available() and "did not compile" in caplog.text
+    assert _kernel_calls(lambda: torch.nn.functional.linear(x, w)) == 0

@@ -16,7 +16,7 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
 - On an AMD EPYC without AMX (avx512_bf16/vnni; BENCHMARKS.md) the crossover is ~24 rows for
   int8, ~40 for Q8_0's two nibbles and past 64 for int4: the switch stays at 32, not per kind.
 - One row of an int4 weight (decode at batch 1, where a token's time is the weights' bytes)
-  runs int4_matmul.c where the CPU has AVX-512 VNNI and VBMI: integer dot products of the
+  runs int4_matmul.cpp where the CPU has AVX-512 VNNI and VBMI: integer dot products of the
   nibbles with x kept to 15 bits, software-prefetched. Why by hand: at one row PyTorch's
   kernel widens every nibble to bfloat16 and is bound by that work, not by memory (gate/up
   0.109 ms with the weight in cache, 8 GB/s). On the EPYC, one thread, weights cold as in a
@@ -29,7 +29,6 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import threading
 from pathlib import Path
@@ -42,67 +41,45 @@ from .formats import Groups
 from .sizes import ROW_ALIGN
 
 KERNEL_MAX_ROWS = 32
-NATIVE_MAX_ROWS = 1  # rows of x up to which int4_matmul.c runs (where the CPU has AVX-512 VNNI)
-SOURCE = Path(__file__).with_name("int4_matmul.c")
+NATIVE_MAX_ROWS = 1  # rows of x up to which int4_matmul.cpp runs (where the CPU has AVX-512 VNNI)
+SOURCE = Path(__file__).with_name("int4_matmul.cpp")
+
+# The operator int4_matmul.cpp registers its CPU kernel for (where it is built and the CPU has
+# the instructions), defined here so that its schema and its fake kernel (what torch.compile
+# traces with) exist either way.
+_ops = torch.library.Library("llmsplit", "DEF")
+_ops.define("int4_mm(Tensor x, Tensor packed, Tensor scales, int rows, int group) -> Tensor")
+torch.library.register_fake("llmsplit::int4_mm", lambda x, packed, scales, rows, group: x.new_empty(x.shape[0], rows),
+                            lib=_ops)
 
 
-class _Args(ctypes.Structure):
-    """int4_matmul.c's Args, field for field."""
-    _fields_ = [("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                *((name, ctypes.c_int64) for name in ("m", "in_features", "cols", "rows", "padded", "group",
-                                                       "threads"))]
-
-
-def _native_int4() -> ctypes.CDLL | None:
-    """int4_matmul.c built, where this CPU has the instructions it is written with."""
-    lib = native.library(SOURCE, {"int4_matmul": ([ctypes.POINTER(_Args)], ctypes.c_int),
-                                  "int4_matmul_supported": ([], ctypes.c_int)},
-                         "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
-    return lib if lib is not None and lib.int4_matmul_supported() else None
+_native: list[bool] = []  # whether int4_matmul.cpp runs here, once known (eager asks ~120 times a token)
 
 
 @torch.compiler.assume_constant_result
 def native_int4_available() -> bool:
-    """Whether int4_matmul.c runs on this machine: a constant to torch.compile, so a compiled
-    decode step calls it too (as the custom op below) instead of breaking its graph here."""
-    return int4_block() == 64 and _native_int4() is not None
+    """Whether int4_matmul.cpp runs on this machine: a constant to torch.compile, so a compiled
+    decode step calls it too instead of breaking its graph here."""
+    if not _native:
+        _native.append(int4_block() == 64
+                       and native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
+                       and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::int4_mm", "CPU"))
+    return _native[0]
+
+
+def forget_native_int4() -> None:
+    """Ask again at the next use (LLMSPLIT_INT4_KERNEL changed: tests, benchmarks)."""
+    native.forget(SOURCE)
+    _native.clear()
 
 
 def native_int4_applies(x: torch.Tensor, w) -> bool:
-    rows = x.numel() // x.shape[-1]
-    cols = w.packed.numel() * 2 // w.scales.shape[1]
-    return (rows <= NATIVE_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-            and w.group % 32 == 0 and w.shape[1] % 32 == 0 and cols % w.group == 0 and native_int4_available())
-
-
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, rows: int, group: int) -> torch.Tensor:
-    """x [m, in] float32 @ W.T through int4_matmul.c, W the `rows`-row int4 weight (`packed`,
-    `scales`: the layout of `pack_int4`); `native_int4_applies` must hold."""
-    x = x.contiguous()
-    padded = scales.shape[1]
-    # The kernel reads raw memory: anything but these layouts would be read as garbage.
-    assert packed.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.bfloat16
-    y = x.new_empty(x.shape[0], rows)
-    args = _Args(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
-                 packed.numel() * 2 // padded, rows, padded, group, torch.get_num_threads())
-    lib = _native_int4()
-    if lib is None:  # a graph compiled where the kernel was built, run where it is not
-        raise RuntimeError("int4_matmul.c is not built in this process (LLMSPLIT_INT4_KERNEL=0, or no compiler); "
-                           "clear torch.compile's cache or build the kernel")
-    if (rc := lib.int4_matmul(ctypes.byref(args))) != 0:
-        raise MemoryError("int4_matmul.c could not allocate its quantized input") if rc == 2 else \
-            RuntimeError("int4_matmul.c was called on a shape it has no code for")
-    return y
-
-
-# An operator, so torch.compile's graphs call the kernel as they call aten's int4 kernel. Defined
-# with torch.library's plain registration rather than `custom_op`, whose Python-side dispatch
-# cost 13 us a call here (3 us this way) against a 16-60 us kernel, ~120 calls a token.
-_ops = torch.library.Library("llmsplit", "DEF")
-_ops.define("int4_mm(Tensor x, Tensor packed, Tensor scales, int rows, int group) -> Tensor")
-_ops.impl("int4_mm", _int4_mm, "CPU")
-torch.library.register_fake("llmsplit::int4_mm", lambda x, packed, scales, rows, group: x.new_empty(x.shape[0], rows),
-                            lib=_ops)
+    """Checked cheapest first: eager decode asks this for every int4 matmul."""
+    if x.dtype != torch.float32 or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or x.device.type != "cpu":
+        return False
+    padded, group = w.scales.shape[1], w.group
+    return (group % 32 == 0 and x.shape[-1] % 32 == 0 and (w.packed.numel() * 2 // padded) % group == 0
+            and native_int4_available())
 
 
 @functools.cache
@@ -163,10 +140,7 @@ def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
     if rows.shape[0] > KERNEL_MAX_ROWS:
         return _tiled(x, w, _int4_tile)
     if native_int4_applies(rows, w):
-        # A compiled graph calls the operator; eager mode its implementation, skipping the
-        # dispatcher's round trip back into Python (4 us a call, ~0.5 ms a token).
-        mm = torch.ops.llmsplit.int4_mm if torch.compiler.is_compiling() else _int4_mm
-        y = mm(rows, w.packed, w.scales, w.shape[0], w.group)
+        y = torch.ops.llmsplit.int4_mm(rows.contiguous(), w.packed, w.scales, w.shape[0], w.group)
         return y.reshape(*x.shape[:-1], w.shape[0])
     xb = rows.to(torch.bfloat16)
     if w.doubled:

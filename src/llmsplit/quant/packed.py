@@ -61,7 +61,7 @@ class PackedWeight(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         """What torch.compile's on-disk cache keys a graph input on: the layout, not the values,
         and which kernel the graph calls (AOTAutograd traces `__torch_function__` below the
-        key it caches on, so a graph built where int4_matmul.c runs would otherwise be served
+        key it caches on, so a graph built where int4_matmul.cpp runs would otherwise be served
         to a process where it does not)."""
         return repr((self.__tensor_flatten__()[1], tuple(self.packed.shape), tuple(self.scales.shape),
                      self.kind == "int4" and kernels.native_int4_available()))

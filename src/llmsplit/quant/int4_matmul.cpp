@@ -1,6 +1,10 @@
 /* y = x @ W.T for a row of x at a time against an int4 weight in PyTorch's CPU packed layout,
- * read where it lies, with AVX-512 VNNI integer dot products (CPU). kernels.py builds this
- * file with the system's C compiler (through llmsplit.native) and says why it exists.
+ * read where it lies, with AVX-512 VNNI integer dot products (CPU), registered as the CPU
+ * kernel of the operator llmsplit::int4_mm (its schema and fake kernel: quant/kernels.py).
+ * kernels.py builds this file with the system's C++ compiler against torch's headers
+ * (through llmsplit.native) and says why it exists. C++ only for the operator's entry: the
+ * dispatcher calls it without a trip through Python (a ctypes call from a Python op cost
+ * 6-8 us more a call, ~120 calls a token).
  *
  * The weight is the layout `_convert_weight_to_int4pack_for_cpu` writes with 64-row blocks:
  * each block is [cols][32] bytes, rows j and j + 32 sharing a byte (low, high nibble). Every
@@ -19,6 +23,11 @@
  * the doubled input). Row blocks are split over OpenMP threads: torch's own runtime, the
  * library being linked against the libgomp torch loaded. */
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,8 +44,6 @@ typedef struct {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
-int int4_matmul_supported(void) { return 1; }
-
 #define QBLOCK 32 /* inputs per int16 block of x */
 /* Bytes ahead of the one being read to prefetch: weights come from DRAM once a token, and
  * 512 read a cold SmolLM2 head at 14.5 GB/s against 11.1 at 2048 and ~9 without (one thread). */
@@ -45,9 +52,9 @@ int int4_matmul_supported(void) { return 1; }
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache. */
-static void block_row(const int16_t *restrict xq, const float *restrict xd, const float *restrict xs, int64_t in,
-                      int64_t cols, int64_t group, const uint8_t *restrict blk, const uint16_t *restrict sz,
-                      int64_t padded, float *restrict out) {
+static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs, int64_t in,
+                      int64_t cols, int64_t group, const uint8_t *__restrict__ blk, const uint16_t *__restrict__ sz,
+                      int64_t padded, float *__restrict__ out) {
     /* Bytes 4i and 4i + 2 of quarter h are inputs k and k + 1 of row 16h + i (within the low
      * or high nibbles), bytes 4i + 1 and 4i + 3 zero: a lane is two int16 for vpdpwssd. */
     __m512i idx[2];
@@ -130,12 +137,13 @@ static void quantize_x(const float *x, int64_t m, int64_t in, int64_t cols, int6
 
 /* 0 on success; 1 for shapes this file has no code for (the caller checks first); 2 when out
  * of memory. */
-int int4_matmul(const Args *a) {
+static int int4_matmul(const Args *a) {
     const int64_t m = a->m, in = a->in, cols = a->cols, rows = a->rows, group = a->group;
     if (in % QBLOCK || group % QBLOCK || cols % group || cols % in || a->padded % 64)
         return 1;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * in));
-    float *xd = malloc(sizeof(float) * (size_t)(m * (in / QBLOCK))), *xs = malloc(sizeof(float) * (size_t)(m * (cols / group)));
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * in));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (in / QBLOCK)));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * (cols / group)));
     if (!xq || !xd || !xs) {
         free(xq), free(xd), free(xs);
         return 2;
@@ -155,7 +163,30 @@ int int4_matmul(const Args *a) {
     return 0;
 }
 
-#else
-int int4_matmul_supported(void) { return 0; }
-int int4_matmul(const Args *a) { (void)a; return 1; }
+/* llmsplit::int4_mm: x [m, in] float32 @ W.T, W the `rows`-row int4 weight (`packed`,
+ * `scales`: the layout of kernels.pack_int4). kernels.native_int4_applies checks the shapes
+ * first; the checks here keep a wrong call from reading memory it does not own. */
+static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scales, int64_t rows,
+                          int64_t group) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "llmsplit::int4_mm: x must be a contiguous float32 [m, in] tensor");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
+                    scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
+                "llmsplit::int4_mm: packed must be contiguous uint8 and scales contiguous bfloat16 [groups, rows, 2]");
+    const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
+    TORCH_CHECK(rows <= padded && cols == scales.size(0) * group && cols % x.size(1) == 0,
+                "llmsplit::int4_mm: the weight's packed shape does not match x, rows and group");
+    at::Tensor y = at::empty({x.size(0), rows}, x.options());
+    const Args a = {x.data_ptr<float>(), packed.data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t *>(scales.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
+                    x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads()};
+    const int rc = int4_matmul(&a);
+    TORCH_CHECK(rc != 2, "llmsplit::int4_mm could not allocate its quantized input");
+    TORCH_CHECK(rc == 0, "llmsplit::int4_mm was called on a shape it has no code for");
+    return y;
+}
+
+/* Registered only where the CPU has the instructions: elsewhere the operator has no CPU
+ * kernel, and kernels.py keeps PyTorch's. */
+TORCH_LIBRARY_IMPL(llmsplit, CPU, m) { m.impl("int4_mm", int4_mm); }
 #endif
