@@ -1,6 +1,6 @@
 """llmsplit (GGUF kept packed) against llama.cpp on the same Q4_1 file, side by side.
 
-`python -m benchmarks.llama_cpp --gguf FILE.gguf [--rounds 2] [--threads 2] [--compile]` prints a
+`python -m benchmarks.llama_cpp --gguf FILE.gguf [--rounds 2] [--threads 2] [--compile] [--omp-passive]` prints a
 markdown table (`--compile`: llmsplit's packed rows load with `compile=True`, compiled outside
 the timings). Rounds alternate llama.cpp and llmsplit, each run in a fresh process (so each peak RSS
 is its own); medians. Rows, greedy, EOS ignored:
@@ -91,8 +91,14 @@ def llama_cpp(path: str, threads: int) -> dict:
     return r
 
 
-def ours(path: str, threads: int, quantize: str, rows: str, compile: bool = False) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", "."]), OMP_WAIT_POLICY="PASSIVE")
+def ours(path: str, threads: int, quantize: str, rows: str, compile: bool = False, passive: bool = False) -> dict:
+    """llmsplit's rows in a fresh process, libgomp's default wait policy (threads spin at a
+    barrier, as llama.cpp's do) unless `passive` (OMP_WAIT_POLICY=PASSIVE: for a machine whose
+    other tenants hold the cores; on a quiet one it costs 2.8x at 2 threads, compiled decode
+    15.3 against 5.45 ms a token)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", "."]))
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     out, _ = _run([sys.executable, "-c", _OURS, path, str(threads), quantize, rows, str(int(compile))], env=env)
     return json.loads(out.strip().splitlines()[-1])
 
@@ -103,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="load llmsplit's packed rows with compile=True")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="llmsplit's processes with OMP_WAIT_POLICY=PASSIVE (a machine whose other tenants hold the cores)")
     a = p.parse_args(argv)
     results: dict[str, list[dict]] = {"llama.cpp": [], "llmsplit": [], "llmsplit fp32": []}
     loads = []
@@ -114,9 +122,9 @@ def main(argv=None) -> int:
             else:
                 fp32 = name.endswith("fp32")
                 r = ours(a.gguf, a.threads, "none" if fp32 else "default", "decode" if fp32 else "decode,prompt",
-                         a.compile and not fp32)
+                         a.compile and not fp32, a.omp_passive)
                 if not fp32:
-                    r.update(ours(a.gguf, a.threads, "default", "batch16", a.compile))
+                    r.update(ours(a.gguf, a.threads, "default", "batch16", a.compile, a.omp_passive))
                 results[name].append(r)
             loads.append(os.getloadavg()[0])
             print(name, results[name][-1], file=sys.stderr, flush=True)

@@ -112,25 +112,37 @@ static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ 
     _mm512_storeu_ps(out + 48, acc3);
 }
 
-/* x quantized to int16 blocks of 32 (xq, scales xd) and its exact sums per weight group (xs). */
+/* x quantized to int16 blocks of 32 (xq, scales xd) and its sums per weight group (xs), one
+ * block of 32 inputs a step in vector registers: at one row this runs before the threads
+ * start, and its first, scalar form (lrintf, an index modulo `in` per input) took longer
+ * than the matmul of SmolLM2's smaller weights. The values are the scalar form's: products
+ * rounded to nearest even, the largest magnitude exact; only xs's summation order differs.
+ * `block_sums` holds in / 32 floats. */
 static void quantize_x(const float *x, int64_t m, int64_t in, int64_t cols, int64_t group, int16_t *xq, float *xd,
-                       float *xs) {
+                       float *xs, float *block_sums) {
+    const int64_t nb = in / QBLOCK, groups = cols / group, per_group = group / QBLOCK;
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t t = 0; t < m; t++) {
         const float *row = x + t * in;
-        for (int64_t b = 0; b < in; b += QBLOCK) {
-            float amax = 0.0f;
-            for (int k = 0; k < QBLOCK; k++)
-                amax = fmaxf(amax, fabsf(row[b + k]));
-            const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            xd[t * (in / QBLOCK) + b / QBLOCK] = d;
-            for (int k = 0; k < QBLOCK; k++)
-                xq[t * in + b + k] = (int16_t)lrintf(row[b + k] * inv);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 v0 = _mm512_loadu_ps(row + b * QBLOCK), v1 = _mm512_loadu_ps(row + b * QBLOCK + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            xd[t * nb + b] = amax / 32767.0f;
+            const __m512 scale = _mm512_set1_ps(inv);
+            _mm256_storeu_si256((__m256i *)(xq + t * in + b * QBLOCK),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
+            _mm256_storeu_si256((__m256i *)(xq + t * in + b * QBLOCK + 16),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
+            block_sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         }
-        for (int64_t g = 0; g < cols / group; g++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < group; k++)
-                s += row[(g * group + k) % in];
-            xs[t * (cols / group) + g] = s;
+        /* Group g covers inputs [g * group, (g + 1) * group) of the columns, the blocks of x
+         * from (g * per_group) mod nb on (Q8_0's second half reads x again from its start). */
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t j = 0, b = (g * per_group) % nb; j < per_group; j++, b = b + 1 == nb ? 0 : b + 1)
+                sum += block_sums[b];
+            xs[t * groups + g] = sum;
         }
     }
 }
@@ -143,12 +155,12 @@ static int int4_matmul(const Args *a) {
         return 1;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * in));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (in / QBLOCK)));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * (cols / group)));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * (cols / group) + in / QBLOCK));
     if (!xq || !xd || !xs) {
         free(xq), free(xd), free(xs);
         return 2;
     }
-    quantize_x(a->x, m, in, cols, group, xq, xd, xs);
+    quantize_x(a->x, m, in, cols, group, xq, xd, xs, xs + m * (cols / group));
     const int64_t blocks = a->padded / 64;
 #pragma omp parallel for num_threads((int)a->threads) schedule(static) collapse(2)
     for (int64_t b = 0; b < blocks; b++)
