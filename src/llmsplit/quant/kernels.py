@@ -16,14 +16,14 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
 - On an AMD EPYC without AMX (avx512_bf16/vnni; BENCHMARKS.md) the crossover is ~24 rows for
   int8, ~40 for Q8_0's two nibbles and past 64 for int4: the switch stays at 32, not per kind.
 - One row of an int4 weight (decode at batch 1, where a token's time is the weights' bytes)
-  runs int4_matmul.cpp where the CPU has AVX-512 VNNI and VBMI: integer dot products of the
-  nibbles with x kept to 15 bits, software-prefetched. Why by hand: at one row PyTorch's
-  kernel widens every nibble to bfloat16 and is bound by that work, not by memory (gate/up
-  0.109 ms with the weight in cache, 8 GB/s). On the EPYC, one thread, weights cold as in a
-  decode step (docs/quantization.md): gate/up 1.7x, the Q8_0 head 1.7x, the small q/k/v and
-  o 1.1-1.3x faster; in cache 2.0-2.8x. From two rows on its gain falls to 1.1-1.9x in cache
-  and it re-reads the weight per row, so `NATIVE_MAX_ROWS` is 1. Its product is closer to
-  the float one than PyTorch's kernel's (x is not rounded to bfloat16). Int8 weights, other
+  runs int4_matmul.cpp, the CPU kernel of the operator llmsplit::int4_mm, where the CPU has
+  AVX-512 VNNI and VBMI: integer dot products of the nibbles with x kept to 15 bits,
+  software-prefetched. Why by hand: at one row PyTorch's kernel widens every nibble to
+  bfloat16 and is bound by that work, not by memory (gate/up 0.109 ms with the weight in
+  cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 0.87x
+  llama.cpp's tokens/s (docs/quantization.md). From two rows on its gain falls to 1.1-1.9x in
+  cache and it re-reads the weight per row, so `NATIVE_MAX_ROWS` is 1. Its product is closer
+  to the float one than PyTorch's kernel's (x is not rounded to bfloat16). Int8 weights, other
   CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels.
 """
 
