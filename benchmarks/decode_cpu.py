@@ -164,7 +164,8 @@ def kernel_table() -> None:
     shapes = {"gate/up [3072, 576]": (3072, 576, False), "down [576, 1536]": (576, 1536, False),
               "q/k/v [960, 576]": (960, 576, False), "o [576, 576]": (576, 576, False),
               "head Q8_0 [49152, 576]": (49152, 576, True)}
-    print(f"| one row, {torch.get_num_threads()} thread(s), weights cold | aten int4 ms | int4_matmul.cpp ms | ratio | GB/s |")
+    print(f"| one row, {torch.get_num_threads()} thread(s), weights cold | aten int4 ms | int4_matmul.cpp ms "
+          "| ratio | GB/s |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, (rows, inn, doubled) in shapes.items():
         cols = inn * (2 if doubled else 1)
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also profile the packed step (last round)")
     p.add_argument("--compile", action="store_true", help="also measure the compiled packed and fp32 steps")
     p.add_argument("--kernels", action="store_true", help="only the one-row int4 kernels per shape, cold weights")
-    p.add_argument("--rows", help="only these rows, by name, comma-separated (e.g. 'llama.cpp,llmsplit packed compiled')")
+    p.add_argument("--rows", help="only these rows, by name, comma-separated "
+                                  "(e.g. 'llama.cpp,llmsplit packed compiled')")
     p.add_argument("--batches", help="aggregate decode at these batch sizes instead, e.g. 1,2,4,8,16")
     p.add_argument("--plot", help="with --batches: draw tokens per CPU-second against batch size to this PNG")
     a = p.parse_args(argv)

@@ -10,7 +10,8 @@ is its own); medians. Rows, greedy, EOS ignored:
 - aggregate decode tokens/s of 16 sequences of 128 new tokens (llama-batched-bench's S_TG at
   16; ours: 16 prompts generated together, minus their prefill);
 - peak RSS of the process (llama.cpp: the benchmark tool's; ours: the Python process's,
-  torch included, at llama-bench's context: one sequence of 640 tokens), and our fp32 path's decode for the ratio the issue asks (≥ 3×).
+  torch included, at llama-bench's context: one sequence of 640 tokens), and our fp32 path's
+  decode for the ratio the issue asks (≥ 3×).
 The llama.cpp binaries: ~/.cache/llmsplit-peers/llama_cpp_python-0.3.36/build/bin (built from
 the llama-cpp-python sdist, /work/shared/REFERENCES.md); a missing tool is reported, not built.
 llama.cpp runs with `--repack 0`: its AMX repacking (the default on this AMX CPU) segfaults in
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="load llmsplit's packed rows with compile=True")
     p.add_argument("--omp-passive", action="store_true",
-                   help="llmsplit's processes with OMP_WAIT_POLICY=PASSIVE (a machine whose other tenants hold the cores)")
+                   help="llmsplit's processes with OMP_WAIT_POLICY=PASSIVE "
+                        "(a machine whose other tenants hold the cores)")
     a = p.parse_args(argv)
     results: dict[str, list[dict]] = {"llama.cpp": [], "llmsplit": [], "llmsplit fp32": []}
     loads = []

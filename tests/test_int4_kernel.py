@@ -18,10 +18,9 @@ pytestmark = pytest.mark.skipif(not kernels.native_int4_available(),
 def _weights(rows, cols):
     w = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32))
     return {"int4": quantize(w, "int4"),
-            "q4_1": pack_groups(from_gguf_blocks("Q4_1", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1),
-                                                 rows, cols)),
-            "q8_0": pack_groups(from_gguf_blocks("Q8_0", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0),
-                                                 rows, cols))}
+            **{kind.lower(): pack_groups(from_gguf_blocks(
+                kind, gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, kind)), rows, cols))
+               for kind in ("Q4_1", "Q8_0")}}
 
 
 def _kernel_calls(fn) -> int:

@@ -68,8 +68,9 @@ def _compile(source: Path, fallback: str, cxx: bool) -> Path | None:
         filter(None, map(shutil.which, ("c++", "g++") if cxx else ("cc", "gcc"))), None)
     gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     headers = Path(torch.__file__).parent / "include" / "torch" / "library.h"
-    missing = ("no C++ compiler" if cxx else "no C compiler") if compiler is None else \
-        "torch has no libgomp" if not gomp.exists() else "torch has no C++ headers" if cxx and not headers.exists() else None
+    missing = (("no C++ compiler" if cxx else "no C compiler") if compiler is None
+               else "torch has no libgomp" if not gomp.exists()
+               else "torch has no C++ headers" if cxx and not headers.exists() else None)
     if missing:
         log.info("%s not built (%s); %s", source.name, missing, fallback)
         return None

@@ -52,9 +52,9 @@ typedef struct {
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache. */
-static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs, int64_t in,
-                      int64_t cols, int64_t group, const uint8_t *__restrict__ blk, const uint16_t *__restrict__ sz,
-                      int64_t padded, float *__restrict__ out) {
+static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs,
+                      int64_t in, int64_t cols, int64_t group, const uint8_t *__restrict__ blk,
+                      const uint16_t *__restrict__ sz, int64_t padded, float *__restrict__ out) {
     /* Bytes 4i and 4i + 2 of quarter h are inputs k and k + 1 of row 16h + i (within the low
      * or high nibbles), bytes 4i + 1 and 4i + 3 zero: a lane is two int16 for vpdpwssd. */
     __m512i idx[2];

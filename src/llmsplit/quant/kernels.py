@@ -61,8 +61,8 @@ def native_int4_available() -> bool:
     """Whether int4_matmul.cpp runs on this machine: a constant to torch.compile, so a compiled
     decode step calls it too instead of breaking its graph here."""
     if not _native:
-        _native.append(int4_block() == 64
-                       and native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
+        built = native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
+        _native.append(int4_block() == 64 and built
                        and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::int4_mm", "CPU"))
     return _native[0]
 
