@@ -5,7 +5,8 @@ prints a markdown report:
 - quality: greedy tokens over 64 new tokens and the mean NLL over `--tokens` tokens of
   pydoc_data.topics (chunks of 512), the GGUF kept packed against the same file dequantized
   to float32 (`quantize="none"`); the packed rows both through the prompt path
-  (widened to bf16 tile by tile, bf16 GEMM) and through each decode kernel (aten's int4 kernel, int4_matmul.cpp: forced for every row count);
+  (widened to bf16 tile by tile, bf16 GEMM) and through each decode kernel (aten's int4
+  kernel, int4_matmul.cpp: forced for every row count);
   then the float32 model quantized at load, int8 and int4, by perplexity;
 - memory: the bytes of parameters and buffers each loaded model holds, and the peak RSS
   of a process that only loads the model (against the file size);

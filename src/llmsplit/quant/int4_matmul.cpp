@@ -147,18 +147,15 @@ static void quantize_x(const float *x, int64_t m, int64_t in, int64_t cols, int6
     }
 }
 
-/* 0 on success; 1 for shapes this file has no code for (the caller checks first); 2 when out
- * of memory. */
-static int int4_matmul(const Args *a) {
+/* False when out of memory; int4_mm has checked the shapes. */
+static bool int4_matmul(const Args *a) {
     const int64_t m = a->m, in = a->in, cols = a->cols, rows = a->rows, group = a->group;
-    if (in % QBLOCK || group % QBLOCK || cols % group || cols % in || a->padded % 64)
-        return 1;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * in));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (in / QBLOCK)));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(m * (cols / group) + in / QBLOCK));
     if (!xq || !xd || !xs) {
         free(xq), free(xd), free(xs);
-        return 2;
+        return false;
     }
     quantize_x(a->x, m, in, cols, group, xq, xd, xs, xs + m * (cols / group));
     const int64_t blocks = a->padded / 64;
@@ -172,7 +169,7 @@ static int int4_matmul(const Args *a) {
             memcpy(a->y + t * rows + r0, out, sizeof(float) * (size_t)n);
         }
     free(xq), free(xd), free(xs);
-    return 0;
+    return true;
 }
 
 /* llmsplit::int4_mm: x [m, in] float32 @ W.T, W the `rows`-row int4 weight (`packed`,
@@ -188,13 +185,13 @@ static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const a
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
     TORCH_CHECK(rows <= padded && cols == scales.size(0) * group && cols % x.size(1) == 0,
                 "llmsplit::int4_mm: the weight's packed shape does not match x, rows and group");
+    TORCH_CHECK(x.size(1) % QBLOCK == 0 && group % QBLOCK == 0 && padded % 64 == 0,
+                "llmsplit::int4_mm was called on a shape it has no code for");
     at::Tensor y = at::empty({x.size(0), rows}, x.options());
     const Args a = {x.data_ptr<float>(), packed.data_ptr<uint8_t>(),
                     reinterpret_cast<const uint16_t *>(scales.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
                     x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads()};
-    const int rc = int4_matmul(&a);
-    TORCH_CHECK(rc != 2, "llmsplit::int4_mm could not allocate its quantized input");
-    TORCH_CHECK(rc == 0, "llmsplit::int4_mm was called on a shape it has no code for");
+    TORCH_CHECK(int4_matmul(&a), "llmsplit::int4_mm could not allocate its quantized input");
     return y;
 }
 

@@ -53,24 +53,20 @@ torch.library.register_fake("llmsplit::int4_mm", lambda x, packed, scales, rows,
                             lib=_ops)
 
 
-_native: list[bool] = []  # whether int4_matmul.cpp runs here, once known (eager asks ~120 times a token)
-
-
 @torch.compiler.assume_constant_result
+@functools.cache  # eager decode asks ~120 times a token
 def native_int4_available() -> bool:
     """Whether int4_matmul.cpp runs on this machine: a constant to torch.compile, so a compiled
     decode step calls it too instead of breaking its graph here."""
-    if not _native:
-        built = native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
-        _native.append(int4_block() == 64 and built
-                       and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::int4_mm", "CPU"))
-    return _native[0]
+    built = native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
+    return (int4_block() == 64 and built
+            and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::int4_mm", "CPU"))
 
 
 def forget_native_int4() -> None:
     """Ask again at the next use (LLMSPLIT_INT4_KERNEL changed: tests, benchmarks)."""
     native.forget(SOURCE)
-    _native.clear()
+    native_int4_available.cache_clear()
 
 
 def native_int4_applies(x: torch.Tensor, w) -> bool:
