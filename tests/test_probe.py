@@ -25,6 +25,14 @@ def test_measurements_are_read_from_the_cache(tmp_path, monkeypatch):
     assert cpu.memory_bytes == 8 << 30 and cpu.flops("fp32") == 2e11 and cpu.runtime_bytes == 300 << 20
 
 
+def test_another_python_environment_is_measured_again(monkeypatch):
+    """The baseline process size depends on what `import torch` pulls in (triton when it is
+    installed), so a cache written from one virtual environment is not read from another."""
+    key = probe._machine_key()
+    monkeypatch.setattr(probe.sys, "prefix", "/elsewhere/.venv")
+    assert probe._machine_key() != key
+
+
 def test_the_planner_takes_the_cpu_as_input_and_never_measures_it():
     with pytest.raises(ConfigError, match="measure_cpu"):
         get_device("cpu", 2)

@@ -5,7 +5,7 @@ times anything itself. The `cpu` device is the one that has to be measured (matm
 per core, copy bandwidth, loopback TCP bandwidth for gloo, the resident memory of a process
 that has torch loaded and ran one distributed step), because the planner's CPU predictions
 are checked against real runs on this same machine. The numbers are measured once per
-machine and torch version and cached in ~/.cache/llmsplit. A GPU is named by torch and
+machine and Python environment and cached in ~/.cache/llmsplit. A GPU is named by torch and
 looked up in the planner's catalogue.
 """
 
@@ -57,12 +57,22 @@ def _machine_key() -> str:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     except OSError:
         pass
-    text = f"{platform.node()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{sys.version_info[:2]}"
+    text = f"{platform.node()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{sys.version_info[:2]}|{_environment()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _environment() -> str:
+    """The interpreter's prefix and installed packages: what `import torch` pulls in depends
+    on them (torch imports triton when it is installed, ~80 MiB more per worker), so a
+    baseline measured in one virtual environment is wrong for another on the same machine."""
+    from importlib import metadata
+
+    packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions())
+    return f"{sys.prefix}|{','.join(packages)}"
+
+
 def measure_cpu(refresh: bool = False) -> dict:
-    """Measured once per machine and torch version, then read from ~/.cache/llmsplit."""
+    """Measured once per machine and Python environment, then read from ~/.cache/llmsplit."""
     path = cache_dir() / f"cpu-{_machine_key()}.json"
     if not refresh and path.is_file():
         try:
