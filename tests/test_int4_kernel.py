@@ -1,7 +1,8 @@
 """The int4 matmul for one row of x (quant/int4_matmul.cpp) against the dequantized weight's
 product: int4 quantized at load, GGUF Q4_1, and Q8_0 kept as two nibble matrices, over row
-counts that leave a padded last block; its fallback to PyTorch's kernel; and the compile
-cache key that says which of the two a graph calls."""
+counts that leave a padded last block; its fallback to PyTorch's kernel; the compile cache
+key that says which of the two a graph calls; and the prompt path's tiles widened to bfloat16
+by the same file (int4_widen) against the torch form."""
 
 import numpy as np
 import pytest
@@ -47,6 +48,21 @@ def test_one_row_matches_the_dequantized_product(rows, cols):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows,cols", [(100, 128), (192, 576)])
+def test_a_prompts_widened_tile_is_the_torch_forms_bit_for_bit(rows, cols, monkeypatch, request):
+    """Many rows (a prompt) widen the weight to bfloat16 tile by tile: int4_widen's one pass
+    gives the values the torch form's six passes give, for every kind, padded rows included."""
+    weights = _weights(rows, cols)
+    tiles = {kind: kernels._int4_tile(w, 64, rows).clone() for kind, w in weights.items()}
+    monkeypatch.setenv("LLMSPLIT_INT4_KERNEL", "0")
+    kernels.forget_native_int4()
+    request.addfinalizer(kernels.forget_native_int4)
+    for kind, w in weights.items():
+        want = kernels._int4_tile(w, 64, rows)
+        assert want.shape == (cols, rows - 64) and torch.equal(tiles[kind], want), kind
+        assert torch.allclose(want.float().t(), w.dequantize()[64:], rtol=1e-2, atol=1e-3), kind
+
+
 def test_the_operator_refuses_what_it_would_misread():
     """Called directly with a layout it has no code for, the operator raises instead of reading
     memory it does not own."""
@@ -55,6 +71,10 @@ def test_the_operator_refuses_what_it_would_misread():
         torch.ops.llmsplit.int4_mm(torch.randn(1, 128, dtype=torch.float64), w.packed, w.scales, 100, 32)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.llmsplit.int4_mm(torch.randn(1, 96), w.packed, w.scales, 100, 32)
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.llmsplit.int4_widen(w.packed, w.scales, 32, 0, 1, False, torch.empty(128, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.llmsplit.int4_widen(w.packed, w.scales, 32, 0, 3, False, torch.empty(128, 192, dtype=torch.bfloat16))
 
 
 def test_more_rows_and_no_kernel_run_pytorchs(monkeypatch, request):

@@ -25,6 +25,10 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   cache and it re-reads the weight per row, so `NATIVE_MAX_ROWS` is 1. Its product is closer
   to the float one than PyTorch's kernel's (x is not rounded to bfloat16). Int8 weights, other
   CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels.
+- The same file widens a prompt's int4 tiles to bfloat16 (the operator llmsplit::int4_widen):
+  one pass over nibbles and scales where torch ops took six, bit for bit the same values:
+  SmolLM2-135M's gate/up 0.07-0.13 ms against 0.41-0.52 (2 threads, EPYC), ~6% of a
+  512-token prefill step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ _ops = torch.library.Library("llmsplit", "DEF")
 _ops.define("int4_mm(Tensor x, Tensor packed, Tensor scales, int rows, int group) -> Tensor")
 torch.library.register_fake("llmsplit::int4_mm", lambda x, packed, scales, rows, group: x.new_empty(x.shape[0], rows),
                             lib=_ops)
+_ops.define("int4_widen(Tensor packed, Tensor scales, int group, int start_block, int stop_block, bool doubled, "
+            "Tensor(a!) out) -> ()")
+torch.library.register_fake("llmsplit::int4_widen", lambda packed, scales, group, b0, b1, doubled, out: None, lib=_ops)
 
 
 @torch.compiler.assume_constant_result
@@ -198,6 +205,10 @@ def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
     cols = w.packed.numel() * 2 // w.scales.shape[1]
     wanted, stop = stop - start, -(-stop // b) * b  # the last tile reads the padded rows too
     rows = stop - start
+    if native_int4_available():  # one pass, the same values (int4_matmul.cpp's int4_widen)
+        out = _workspace("bf16", cols // (2 if w.doubled else 1) * rows, torch.bfloat16).view(-1, rows)
+        torch.ops.llmsplit.int4_widen(w.packed, w.scales, w.group, start // b, stop // b, w.doubled, out)
+        return out[:, :wanted]
     p = w.packed.view(-1, cols, b // 2)[start // b:stop // b]
     q = _workspace("i8", p.numel() * 2, torch.int8).view(-1, cols, 2, b // 2)
     torch.bitwise_and(p, 15, out=q[:, :, 0])
