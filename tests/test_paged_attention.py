@@ -110,3 +110,41 @@ def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, cap
     assert "did not compile" in caplog.text
     cache.set_step(step)
     torch.testing.assert_close(cache.attend(0, q, k, v, attn._attend, (0.25, None, None)), built, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4)])
+@pytest.mark.parametrize("start,n", [(0, 70), (37, 1 + 64 * 2), (130, 5)])
+def test_prefill_kernel_matches_gathered_attention(kv_dtype, head_dim, heads, kv_heads, start, n, monkeypatch):
+    """A chunk of one sequence after `start` cached tokens (blocks scattered over the pool), on
+    the causal prefill kernel and on the gather + SDPA path: query rows that leave a partial
+    row block, key counts off the 64-key blocks, both head sizes it has code for."""
+    if not paged_attention._kernel().paged_prefill_supported():
+        pytest.skip("the prefill kernel needs AVX-512")
+    torch.manual_seed(start + n)
+    attn = _layer(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    pool = BlockPool(num_blocks=96, block_size=4)
+    cache = PagedKVCache(96, 4, kv_heads, head_dim, {0: torch.device("cpu")}, torch.float32, kv_dtype)
+    for t in range(start):  # the cached tokens, interleaved with another sequence's
+        pool.append(0, 1)
+        pool.append(1, 1)
+    pool.append(0, n)
+    step = pool.chunk(0, start, n)
+    for pools in (cache.k[0], cache.v[0]):
+        pools.copy_(torch.randn(pools.shape).to(pools.dtype) if kv_dtype != "int8" else
+                    torch.randint(-127, 128, pools.shape, dtype=torch.int8))
+    if kv_dtype == "int8":
+        cache.k_scale[0].uniform_(0.005, 0.02)
+        cache.v_scale[0].uniform_(0.005, 0.02)
+    q = torch.randn(1, n, heads, head_dim).transpose(1, 2)  # strided, as the model hands it over
+    k, v = torch.randn(1, kv_heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim)
+    rule = (attn.head_dim ** -0.5, None, None)
+    cache.set_step(step)
+    with torch.no_grad():
+        assert paged_attention.applies_prefill(q, cache.k[0], None)
+        got = cache.attend(0, q, k, v, attn._attend, rule)
+        monkeypatch.setattr(paged_attention, "applies_prefill", lambda *a: False)
+        cache.set_step(step)
+        want = cache.attend(0, q, k, v, attn._attend, rule)
+    assert got.shape == (1, n, heads * head_dim)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -301,8 +301,9 @@ class PagedKVCache:
         q [b, heads, s, head_dim] to its own keys; returns [b, s, heads * head_dim]. Under a
         PackedStep q is [1, heads, T, head_dim], each part attends to its own sequences' keys,
         and the result is [1, T, heads * head_dim]. One-token parts on CPU run the paged kernel
-        over the pool in place, with `rule` = (scale, softcap, window) of the model's scores;
-        the others gather their keys and call the model's `attend(q, k, v, mask, start_pos)`."""
+        over the pool in place, with `rule` = (scale, softcap, window) of the model's scores, and
+        so do one sequence's chunks (its causal prefill kernel); the others gather their keys
+        and call the model's `attend(q, k, v, mask, start_pos)`."""
         slots, parts = self._parts(q.device)
         self._store(layer_id, slots, k, v)
         if not self.packed:
@@ -322,6 +323,11 @@ class PagedKVCache:
                                          self.k_scale.get(layer_id), self.v_scale.get(layer_id),
                                          part.gather, part.lens, scale, softcap, window)
             return out.view(b, 1, heads * dim)
+        if (part.lens is None and b == 1 and part.mask is None and isinstance(part.start, int)
+                and (rule[2] is None or part.start + s <= rule[2])
+                and paged_attention.applies_prefill(q, self.k[layer_id], rule[1])):
+            return paged_attention.prefill(q, self.k[layer_id], self.v[layer_id], self.k_scale.get(layer_id),
+                                           self.v_scale.get(layer_id), part.gather[0], part.start, rule[0])[None]
         out = attend(q, *self._read(layer_id, part.gather.view(-1), b), part.mask, part.start)
         return out.transpose(1, 2).reshape(b, s, heads * dim)
 
