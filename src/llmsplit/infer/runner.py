@@ -25,6 +25,7 @@ from ..models.llama import Transformer
 from ..models.rope import model_rope_tables
 from ..threads import ThreadTuner
 from .cpu_experts import experts_on_cpu
+from .heap import keep_freed_memory
 from .kv_cache import PackedStep, PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
@@ -196,6 +197,8 @@ class Runner:
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype, spec.kv_dtype)
         self._decode = self._compiled_decode() if spec.compile else None
         self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
+        if exec_device.type == "cpu":  # loaded: from here on steps reuse the memory they free (infer/heap.py)
+            keep_freed_memory()
 
     @property
     def decodes_in_place(self) -> bool:
