@@ -6,8 +6,8 @@ top above its trim threshold, so the next step's activation of the same size is 
 that page-faults in zeroed: on SmolLM2-135M, some 512-token prefill steps faulted in 1,152
 pages (4.5 MiB) for one gate/up output's copy, 1.2 ms against 0.17. Raising both thresholds
 keeps freed blocks in the heap, where the next step takes them again: the serving benchmark's
-burst (32 prompts, in one process) reached its median first token in 3.0/1.4 s against
-3.4/1.5 s (seeds 0/1, medians of 3 alternating runs), without the slow outliers (5.4 s). The
+burst (32 prompts, in one process) reached its median first token in 2.9-3.1 s against
+4.8-5.5 s (seed 0) and 1.4 against 2.0-2.4 s (seed 1), alternating runs. The
 process's peak is unchanged (what is kept was in use before); what it no longer does is give
 memory back between steps. Other C libraries (musl, macOS) keep their own defaults."""
 
