@@ -254,7 +254,8 @@ static inline __attribute__((always_inline)) void chunk_rows(const ChunkArgs *a,
             const float fix = exp_nonpositive(m[r] - top_now);
             __m512 sum = _mm512_setzero_ps();
             for (int c = 0; c < 4; c++) {
-                const __m512 e = _mm512_maskz_mov_ps(in[c], exp16(_mm512_sub_ps(s[r * 4 + c], _mm512_set1_ps(top_now))));
+                const __m512 shifted = _mm512_sub_ps(s[r * 4 + c], _mm512_set1_ps(top_now));
+                const __m512 e = _mm512_maskz_mov_ps(in[c], exp16(shifted));
                 sum = _mm512_add_ps(sum, e);
                 _mm512_storeu_ps(p + r * KB + 16 * c, e);
             }
@@ -314,7 +315,8 @@ static void lay_out(const ChunkArgs *a, int kind, float *kt, float *vb, int64_t 
 static int prefill(const ChunkArgs *a, int kind) {
     const int64_t width = (a->start + a->n + KB - 1) / KB * KB, dim = a->dim, group = a->heads / a->kv_heads;
     const int DV = (int)(dim / 16), R = 24 / DV;
-    float *kt = malloc(sizeof(float) * a->kv_heads * dim * width), *vb = malloc(sizeof(float) * a->kv_heads * dim * width);
+    const size_t bytes = sizeof(float) * (size_t)(a->kv_heads * dim * width);
+    float *kt = malloc(bytes), *vb = malloc(bytes);
     if (!kt || !vb) {
         free(kt), free(vb);
         return -1;

@@ -259,7 +259,8 @@ static void int4_widen(const at::Tensor &packed, const at::Tensor &scales, int64
                        bool doubled, at::Tensor &out) {
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
                     scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
-                "llmsplit::int4_widen: packed must be contiguous uint8 and scales contiguous bfloat16 [groups, rows, 2]");
+                "llmsplit::int4_widen: packed must be contiguous uint8 and scales contiguous bfloat16 "
+                "[groups, rows, 2]");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded, in = doubled ? cols / 2 : cols;
     TORCH_CHECK(padded % 64 == 0 && cols == scales.size(0) * group && 0 <= b0 && b0 < b1 && b1 * 64 <= padded &&
                     (!doubled || in % group == 0),
