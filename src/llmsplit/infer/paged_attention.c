@@ -44,16 +44,20 @@ static inline __attribute__((always_inline)) float load(const void *p, int64_t i
 /* exp(x) for x <= 0, to ~2 ulp: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the
  * exponent bits. Written without branches or calls so that the softmax loop vectorizes
  * (libm's expf vectorizes only under -ffast-math, which would also drop inf and NaN). */
+#define EXP_FLOOR (-87.0f)
+#define LOG2E 1.44269504f
+#define LN2_HI 0.693359375f     /* ln 2 = LN2_HI - LN2_LO, split so that n * LN2_HI is exact */
+#define LN2_LO 2.12194440e-4f
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    x = x < EXP_FLOOR ? EXP_FLOOR : x;
+    float n = floorf(x * LOG2E + 0.5f);
+    float r = x - n * LN2_HI + n * LN2_LO;
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; i++)
+        p = p * r + EXP_POLY[i];
     p = p * r * r + r + 1.0f;
     int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
@@ -189,17 +193,14 @@ typedef struct {
 
 /* exp_nonpositive, 16 lanes (the same polynomial; 2^n by scalef). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++)
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }

@@ -107,7 +107,7 @@ def applies_prefill(q: torch.Tensor, pool: torch.Tensor, softcap: float | None) 
     sliding window is the caller's to rule out."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and q.shape[-1] in PREFILL_DIMS
             and q.stride(-1) == 1 and pool.dtype in KINDS and softcap is None and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and _kernel() is not None and _kernel().paged_prefill_supported())
+            and not torch.compiler.is_compiling() and (lib := _kernel()) is not None and lib.paged_prefill_supported())
 
 
 def prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,

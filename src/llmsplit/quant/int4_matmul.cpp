@@ -49,6 +49,12 @@ typedef struct {
  * 512 read a cold SmolLM2 head at 14.5 GB/s against 11.1 at 2048 and ~9 without (one thread). */
 #define PREFETCH 512
 
+/* The scales (low half) or zeros (high half) of 16 rows: one 32-bit lane of sz each. */
+static inline __m512 scale_of(__m512i sz16) { return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16)); }
+static inline __m512 zero_of(__m512i sz16) {
+    return _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache. */
@@ -95,13 +101,11 @@ static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ 
         /* scale, zero of 16 rows: one 32-bit lane each, bf16 scale low, bf16 zero high */
         const uint16_t *s = sz + (g0 / group) * padded * 2;
         const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), eight = _mm512_set1_ps(8.0f);
-        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
 #define APPLY(q, dot, acc)                                                                             \
         {                                                                                              \
             const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);                                       \
-            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));                     \
-            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz16, high));                     \
-            acc = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(eight, xsum, dot), _mm512_fmadd_ps(zero, xsum, acc)); \
+            acc = _mm512_fmadd_ps(scale_of(sz16), _mm512_fnmadd_ps(eight, xsum, dot),                  \
+                                  _mm512_fmadd_ps(zero_of(sz16), xsum, acc));                          \
         }
         APPLY(0, dot0, acc0) APPLY(1, dot1, acc1) APPLY(2, dot2, acc2) APPLY(3, dot3, acc3)
 #undef APPLY
@@ -172,6 +176,13 @@ static bool int4_matmul(const Args *a) {
     return true;
 }
 
+/* The packed weight's tensors as both operators read them (`op` names the caller). */
+static void check_weight(const at::Tensor &packed, const at::Tensor &scales, const char *op) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
+                    scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
+                op, ": packed must be contiguous uint8 and scales contiguous bfloat16 [groups, rows, 2]");
+}
+
 /* llmsplit::int4_mm: x [m, in] float32 @ W.T, W the `rows`-row int4 weight (`packed`,
  * `scales`: the layout of kernels.pack_int4). kernels.native_int4_applies checks the shapes
  * first; the checks here keep a wrong call from reading memory it does not own. */
@@ -179,9 +190,7 @@ static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const a
                           int64_t group) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "llmsplit::int4_mm: x must be a contiguous float32 [m, in] tensor");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-                    scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
-                "llmsplit::int4_mm: packed must be contiguous uint8 and scales contiguous bfloat16 [groups, rows, 2]");
+    check_weight(packed, scales, "llmsplit::int4_mm");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
     TORCH_CHECK(rows <= padded && cols == scales.size(0) * group && cols % x.size(1) == 0,
                 "llmsplit::int4_mm: the weight's packed shape does not match x, rows and group");
@@ -201,12 +210,6 @@ static inline __m256i to_bf16(__m512 v) {
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-/* The scales (low half) or zeros (high half) of 16 rows: one 32-bit lane of sz each. */
-static inline __m512 scale_of(__m512i sz16) { return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16)); }
-static inline __m512 zero_of(__m512i sz16) {
-    return _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 /* Input k of weight block `blk` (64 rows) widened: the 64 values (q - 8) * scale + zero in
@@ -257,10 +260,7 @@ static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int
  * [in, 64 (b1 - b0)]: what a prompt's bf16 GEMM multiplies (kernels._int4_tile). */
 static void int4_widen(const at::Tensor &packed, const at::Tensor &scales, int64_t group, int64_t b0, int64_t b1,
                        bool doubled, at::Tensor &out) {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-                    scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
-                "llmsplit::int4_widen: packed must be contiguous uint8 and scales contiguous bfloat16 "
-                "[groups, rows, 2]");
+    check_weight(packed, scales, "llmsplit::int4_widen");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded, in = doubled ? cols / 2 : cols;
     TORCH_CHECK(padded % 64 == 0 && cols == scales.size(0) * group && 0 <= b0 && b0 < b1 && b1 * 64 <= padded &&
                     (!doubled || in % group == 0),

@@ -20,7 +20,7 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   AVX-512 VNNI and VBMI: integer dot products of the nibbles with x kept to 15 bits,
   software-prefetched. Why by hand: at one row PyTorch's kernel widens every nibble to
   bfloat16 and is bound by that work, not by memory (gate/up 0.109 ms with the weight in
-  cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 0.87x
+  cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 0.87-0.99x
   llama.cpp's tokens/s (docs/quantization.md). From two rows on its gain falls to 1.1-1.9x in
   cache and it re-reads the weight per row, so `NATIVE_MAX_ROWS` is 1. Its product is closer
   to the float one than PyTorch's kernel's (x is not rounded to bfloat16). Int8 weights, other
