@@ -1,8 +1,8 @@
-"""The int4 matmul for one row of x (quant/int4_matmul.cpp) against the dequantized weight's
-product: int4 quantized at load, GGUF Q4_1, and Q8_0 kept as two nibble matrices, over row
-counts that leave a padded last block; its fallback to PyTorch's kernel; the compile cache
-key that says which of the two a graph calls; and the prompt path's tiles widened to bfloat16
-by the same file (int4_widen) against the torch form."""
+"""The int4 matmul for up to 32 rows of x (quant/int4_matmul.cpp) against the dequantized
+weight's product: int4 quantized at load, GGUF Q4_1, and Q8_0 kept as two nibble matrices, over
+row counts that leave a padded last block; GGUF's float16 scales kept to the bit; its fallback to
+PyTorch's kernel; the compile cache key that says which of the two a graph calls; and the
+prompt path's tiles widened to bfloat16 by the same file (int4_widen) against the torch form."""
 
 import numpy as np
 import pytest
@@ -16,12 +16,16 @@ pytestmark = pytest.mark.skipif(not kernels.native_int4_available(),
                                 reason="no C++ compiler, or a CPU without AVX-512 VNNI/VBMI")
 
 
+def _blocks(rows, cols, kind):
+    w = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+    return gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
+
+
 def _weights(rows, cols):
     w = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32))
     return {"int4": quantize(w, "int4"),
-            **{kind.lower(): pack_groups(from_gguf_blocks(
-                kind, gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, kind)), rows, cols))
-               for kind in ("Q4_1", "Q8_0")}}
+            **{kind.lower(): pack_groups(from_gguf_blocks(kind, _blocks(rows, cols, kind), rows, cols))
+               for kind in ("Q4_0", "Q4_1", "Q8_0")}}
 
 
 def _kernel_calls(fn) -> int:
@@ -30,9 +34,20 @@ def _kernel_calls(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "llmsplit::int4_mm")
 
 
-@pytest.mark.parametrize("rows,cols", [(100, 128), (192, 576), (64, 32)])
-def test_one_row_matches_the_dequantized_product(rows, cols):
-    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols))
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_scales_are_kept_to_the_bit(kind):
+    """The packed weight is the file's: its float16 (scale, min) give back gguf's own
+    dequantization exactly (bfloat16 scales had moved SmolLM2's mean NLL by -0.00115)."""
+    rows, cols = 100, 128
+    blocks = _blocks(rows, cols, kind)
+    w = pack_groups(from_gguf_blocks(kind, blocks, rows, cols))
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)))
+    assert w.scales.dtype == torch.float16 and torch.equal(w.dequantize(), want.reshape(rows, cols))
+
+
+@pytest.mark.parametrize("rows,cols,m", [(100, 128, 1), (192, 576, 1), (64, 32, 1), (100, 128, 3), (192, 576, 32)])
+def test_few_rows_match_the_dequantized_product(rows, cols, m):
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(cols))
     for kind, w in _weights(rows, cols).items():
         want = x @ w.dequantize().t()
         got = []
@@ -78,12 +93,14 @@ def test_the_operator_refuses_what_it_would_misread():
 
 
 def test_more_rows_and_no_kernel_run_pytorchs(monkeypatch, request):
-    """Above NATIVE_MAX_ROWS rows, and with LLMSPLIT_INT4_KERNEL=0, PyTorch's kernel runs (its
-    bf16 rounding, within 1% here); the compile cache key of a packed weight says which."""
+    """Above NATIVE_MAX_ROWS rows the prompt path runs (bf16 tiles); with LLMSPLIT_INT4_KERNEL=0
+    PyTorch's kernel runs on the same weight (its bf16 rounding, within 1% here, its scales
+    converted from the float16 form); the compile cache key of a packed weight says which."""
     w = _weights(100, 128)["q4_1"]
-    x = torch.randn(3, 128)
+    x = torch.randn(kernels.NATIVE_MAX_ROWS + 1, 128)
     want = x @ w.dequantize().t()
-    assert not kernels.native_int4_applies(x, w) and kernels.native_int4_applies(x[:1], w)
+    assert not kernels.native_int4_applies(x, w) and kernels.native_int4_applies(x[:-1], w)
+    assert _kernel_calls(lambda: torch.nn.functional.linear(x, w)) == 0
     assert (torch.nn.functional.linear(x, w) - want).abs().max() < 0.01 * want.abs().max()
     key = w._stable_hash_for_caching()
     monkeypatch.setenv("LLMSPLIT_INT4_KERNEL", "0")

@@ -8,9 +8,11 @@
  *
  * The weight is the layout `_convert_weight_to_int4pack_for_cpu` writes with 64-row blocks:
  * each block is [cols][32] bytes, rows j and j + 32 sharing a byte (low, high nibble). Every
- * group of `group` inputs has a bfloat16 scale and zero per row, [groups][padded rows][2], and a
- * weight is (q - 8) * scale + zero, so over a group
- *     sum_k w[r,k] x[k] = scale * (sum_k q x - 8 sum_k x) + zero * sum_k x:
+ * group of `group` inputs has two numbers per row, [groups][padded rows][2], in one of two forms
+ * (kernels.pack_int4): float16 (scale, min), a weight q * scale + min, what weights are packed
+ * with where this file runs (GGUF's own fp16 d and m kept exactly); or PyTorch's kernel's
+ * bfloat16 (scale, zero), a weight (q - 8) * scale + zero. With `offset` 0 or 8, over a group
+ *     sum_k w[r,k] x[k] = scale * (sum_k q x - offset sum_k x) + zero * sum_k x:
  * the nibbles are multiplied as they are (0..15) and the scale and zero applied once a group.
  * x is quantized to int16 in blocks of 32 inputs (the block's largest magnitude / 32767: 15
  * bits, where PyTorch's kernel rounds x to bfloat16's 8), so sum_k q x is integer `vpdpwssd`
@@ -36,9 +38,10 @@
 typedef struct {
     const float *x;        /* [m, in] */
     const uint8_t *w;      /* [padded / 64][cols][32] */
-    const uint16_t *sz;    /* bfloat16 [cols / group][padded][2] */
+    const uint16_t *sz;    /* float16 or bfloat16 [cols / group][padded][2] */
     float *y;              /* [m, rows] */
     int64_t m, in, cols, rows, padded, group, threads;
+    bool half; /* sz is float16 (scale, min), else bfloat16 (scale, zero) */
 } Args;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -49,15 +52,22 @@ typedef struct {
  * 512 read a cold SmolLM2 head at 14.5 GB/s against 11.1 at 2048 and ~9 without (one thread). */
 #define PREFETCH 512
 
-/* The scales (low half) or zeros (high half) of 16 rows: one 32-bit lane of sz each. */
-static inline __m512 scale_of(__m512i sz16) { return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16)); }
-static inline __m512 zero_of(__m512i sz16) {
+/* The scales (low half) or zeros / mins (high half) of 16 rows: one 32-bit lane of sz each. */
+template <bool HALF> static inline __m512 scale_of(__m512i sz16) {
+    if (HALF)
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sz16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
+}
+template <bool HALF> static inline __m512 zero_of(__m512i sz16) {
+    if (HALF)
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sz16, 16)));
     return _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache. */
+template <bool HALF>
 static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs,
                       int64_t in, int64_t cols, int64_t group, const uint8_t *__restrict__ blk,
                       const uint16_t *__restrict__ sz, int64_t padded, float *__restrict__ out) {
@@ -98,14 +108,14 @@ static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ 
             dot2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), d, dot2);
             dot3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s3), d, dot3);
         }
-        /* scale, zero of 16 rows: one 32-bit lane each, bf16 scale low, bf16 zero high */
+        /* scale, zero (or min) of 16 rows: one 32-bit lane each, the scale low, the other high */
         const uint16_t *s = sz + (g0 / group) * padded * 2;
-        const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), eight = _mm512_set1_ps(8.0f);
+        const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), offset = _mm512_set1_ps(HALF ? 0.0f : 8.0f);
 #define APPLY(q, dot, acc)                                                                             \
         {                                                                                              \
             const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);                                       \
-            acc = _mm512_fmadd_ps(scale_of(sz16), _mm512_fnmadd_ps(eight, xsum, dot),                  \
-                                  _mm512_fmadd_ps(zero_of(sz16), xsum, acc));                          \
+            acc = _mm512_fmadd_ps(scale_of<HALF>(sz16), _mm512_fnmadd_ps(offset, xsum, dot),           \
+                                  _mm512_fmadd_ps(zero_of<HALF>(sz16), xsum, acc));                    \
         }
         APPLY(0, dot0, acc0) APPLY(1, dot1, acc1) APPLY(2, dot2, acc2) APPLY(3, dot3, acc3)
 #undef APPLY
@@ -168,19 +178,24 @@ static bool int4_matmul(const Args *a) {
         for (int64_t t = 0; t < m; t++) {
             float out[64];
             const int64_t r0 = b * 64, n = rows - r0 < 64 ? rows - r0 : 64;
-            block_row(xq + t * in, xd + t * (in / QBLOCK), xs + t * (cols / group), in, cols, group,
-                      a->w + b * cols * 32, a->sz + r0 * 2, a->padded, out);
+            (a->half ? block_row<true> : block_row<false>)(xq + t * in, xd + t * (in / QBLOCK), xs + t * (cols / group),
+                                                           in, cols, group, a->w + b * cols * 32, a->sz + r0 * 2,
+                                                           a->padded, out);
             memcpy(a->y + t * rows + r0, out, sizeof(float) * (size_t)n);
         }
     free(xq), free(xd), free(xs);
     return true;
 }
 
-/* The packed weight's tensors as both operators read them (`op` names the caller). */
-static void check_weight(const at::Tensor &packed, const at::Tensor &scales, const char *op) {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-                    scales.is_contiguous() && scales.dim() == 3 && scales.size(2) == 2,
-                op, ": packed must be contiguous uint8 and scales contiguous bfloat16 [groups, rows, 2]");
+/* The packed weight's tensors as both operators read them (`op` names the caller); whether
+ * the scales are the float16 (scale, min) form. */
+static bool check_weight(const at::Tensor &packed, const at::Tensor &scales, const char *op) {
+    const bool half = scales.scalar_type() == at::kHalf;
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    (half || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous() && scales.dim() == 3 &&
+                    scales.size(2) == 2,
+                op, ": packed must be contiguous uint8 and scales contiguous float16 or bfloat16 [groups, rows, 2]");
+    return half;
 }
 
 /* llmsplit::int4_mm: x [m, in] float32 @ W.T, W the `rows`-row int4 weight (`packed`,
@@ -190,7 +205,7 @@ static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const a
                           int64_t group) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "llmsplit::int4_mm: x must be a contiguous float32 [m, in] tensor");
-    check_weight(packed, scales, "llmsplit::int4_mm");
+    const bool half = check_weight(packed, scales, "llmsplit::int4_mm");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
     TORCH_CHECK(rows <= padded && cols == scales.size(0) * group && cols % x.size(1) == 0,
                 "llmsplit::int4_mm: the weight's packed shape does not match x, rows and group");
@@ -198,8 +213,8 @@ static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const a
                 "llmsplit::int4_mm was called on a shape it has no code for");
     at::Tensor y = at::empty({x.size(0), rows}, x.options());
     const Args a = {x.data_ptr<float>(), packed.data_ptr<uint8_t>(),
-                    reinterpret_cast<const uint16_t *>(scales.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
-                    x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads()};
+                    reinterpret_cast<const uint16_t *>(scales.data_ptr()), y.data_ptr<float>(),
+                    x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads(), half};
     TORCH_CHECK(int4_matmul(&a), "llmsplit::int4_mm could not allocate its quantized input");
     return y;
 }
@@ -212,19 +227,19 @@ static inline __m256i to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* Input k of weight block `blk` (64 rows) widened: the 64 values (q - 8) * scale + zero in
- * float32, 16 rows a register (rows 0-31 the low nibbles, 32-63 the high ones). */
-static inline void widen_column(const uint8_t *blk, int64_t k, const uint16_t *s, __m512 v[4]) {
+/* Input k of weight block `blk` (64 rows) widened: the 64 values (q - offset) * scale + zero
+ * in float32, 16 rows a register (rows 0-31 the low nibbles, 32-63 the high ones). */
+template <bool HALF> static inline void widen_column(const uint8_t *blk, int64_t k, const uint16_t *s, __m512 v[4]) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + k * 32));
     const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
     const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
                              _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512 offset = _mm512_set1_ps(HALF ? 0.0f : 8.0f);
     for (int q = 0; q < 4; q++) {
         const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);
         const __m512 nibble = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part[q]));
-        v[q] = _mm512_fmadd_ps(_mm512_sub_ps(nibble, eight), scale_of(sz16), zero_of(sz16));
+        v[q] = _mm512_fmadd_ps(_mm512_sub_ps(nibble, offset), scale_of<HALF>(sz16), zero_of<HALF>(sz16));
     }
 }
 
@@ -232,6 +247,7 @@ static inline void widen_column(const uint8_t *blk, int64_t k, const uint16_t *s
  * `in` inputs k (`doubled`: GGUF Q8_0's two nibble matrices, input k the sum of columns k
  * and k + in). One pass over the nibbles and scales; its torch form took six (two nibble
  * splits, a shift, a transposing copy, an addcmul and a conversion), ~11% of a prefill step. */
+template <bool HALF>
 static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int64_t padded, int64_t group,
                          int64_t b0, int64_t b1, bool doubled, uint16_t *out) {
     const int64_t in = doubled ? cols / 2 : cols, width = (b1 - b0) * 64, chunk = 64;
@@ -242,10 +258,10 @@ static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int
             const uint8_t *blk = w + b * cols * 32;
             for (int64_t k = c * chunk; k < in && k < (c + 1) * chunk; k++) {
                 __m512 v[4];
-                widen_column(blk, k, sz + ((k / group) * padded + b * 64) * 2, v);
+                widen_column<HALF>(blk, k, sz + ((k / group) * padded + b * 64) * 2, v);
                 if (doubled) {
                     __m512 u[4];
-                    widen_column(blk, k + in, sz + (((k + in) / group) * padded + b * 64) * 2, u);
+                    widen_column<HALF>(blk, k + in, sz + (((k + in) / group) * padded + b * 64) * 2, u);
                     for (int q = 0; q < 4; q++)
                         v[q] = _mm512_add_ps(v[q], u[q]);
                 }
@@ -260,7 +276,7 @@ static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int
  * [in, 64 (b1 - b0)]: what a prompt's bf16 GEMM multiplies (kernels._int4_tile). */
 static void int4_widen(const at::Tensor &packed, const at::Tensor &scales, int64_t group, int64_t b0, int64_t b1,
                        bool doubled, at::Tensor &out) {
-    check_weight(packed, scales, "llmsplit::int4_widen");
+    const bool half = check_weight(packed, scales, "llmsplit::int4_widen");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded, in = doubled ? cols / 2 : cols;
     TORCH_CHECK(padded % 64 == 0 && cols == scales.size(0) * group && 0 <= b0 && b0 < b1 && b1 * 64 <= padded &&
                     (!doubled || in % group == 0),
@@ -268,8 +284,10 @@ static void int4_widen(const at::Tensor &packed, const at::Tensor &scales, int64
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == in &&
                     out.size(1) == (b1 - b0) * 64,
                 "llmsplit::int4_widen: out must be a contiguous bfloat16 [in, 64 * blocks] tensor");
-    widen_blocks(packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(scales.data_ptr<at::BFloat16>()),
-                 cols, padded, group, b0, b1, doubled, reinterpret_cast<uint16_t *>(out.data_ptr<at::BFloat16>()));
+    (half ? widen_blocks<true> : widen_blocks<false>)(packed.data_ptr<uint8_t>(),
+                                                      reinterpret_cast<const uint16_t *>(scales.data_ptr()), cols,
+                                                      padded, group, b0, b1, doubled,
+                                                      reinterpret_cast<uint16_t *>(out.data_ptr<at::BFloat16>()));
 }
 
 /* Registered only where the CPU has the instructions: elsewhere the operators have no CPU

@@ -15,16 +15,17 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   before, cost more than the float32 matmul itself.
 - On an AMD EPYC without AMX (avx512_bf16/vnni; BENCHMARKS.md) the crossover is ~24 rows for
   int8, ~40 for Q8_0's two nibbles and past 64 for int4: the switch stays at 32, not per kind.
-- One row of an int4 weight (decode at batch 1, where a token's time is the weights' bytes)
-  runs int4_matmul.cpp, the CPU kernel of the operator llmsplit::int4_mm, where the CPU has
+- Up to 32 rows of an int4 weight (decode, where a token's time is the weights' bytes) run
+  int4_matmul.cpp, the CPU kernel of the operator llmsplit::int4_mm, where the CPU has
   AVX-512 VNNI and VBMI: integer dot products of the nibbles with x kept to 15 bits,
   software-prefetched. Why by hand: at one row PyTorch's kernel widens every nibble to
   bfloat16 and is bound by that work, not by memory (gate/up 0.109 ms with the weight in
   cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 0.87-0.99x
-  llama.cpp's tokens/s (docs/quantization.md). From two rows on its gain falls to 1.1-1.9x in
-  cache and it re-reads the weight per row, so `NATIVE_MAX_ROWS` is 1. Its product is closer
-  to the float one than PyTorch's kernel's (x is not rounded to bfloat16). Int8 weights, other
-  CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels.
+  llama.cpp's tokens/s (docs/quantization.md). It re-reads a 64-row block from cache for each
+  row of x, and is still at least as fast as PyTorch's kernel up to 32 rows (`NATIVE_MAX_ROWS`).
+  Its product is closer to the float one than PyTorch's kernel's (x is not rounded to
+  bfloat16), and it reads the weights' float16 scales (`pack_int4`): GGUF's own, exactly.
+  Int8 weights, other CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels.
 - The same file widens a prompt's int4 tiles to bfloat16 (the operator llmsplit::int4_widen):
   one pass over nibbles and scales where torch ops took six, bit for bit the same values:
   SmolLM2-135M's gate/up 0.07-0.13 ms against 0.41-0.52 (2 threads, EPYC), ~6% of a
@@ -45,7 +46,12 @@ from .formats import Groups
 from .sizes import ROW_ALIGN
 
 KERNEL_MAX_ROWS = 32
-NATIVE_MAX_ROWS = 1  # rows of x up to which int4_matmul.cpp runs (where the CPU has AVX-512 VNNI)
+# Rows of x up to which int4_matmul.cpp runs (where the CPU has AVX-512 VNNI): every row count
+# below the prompt path's, since it is at least as fast as PyTorch's kernel at each (gate/up of
+# SmolLM2, weight from DRAM, 2 threads on the EPYC: 1 row 0.029 against 0.043 ms, 4 rows 0.057
+# against 0.056, 16 rows 0.161 against 0.191, 32 rows 0.301 against 0.369), and it reads the
+# float16 scales exactly (`pack_int4`).
+NATIVE_MAX_ROWS = KERNEL_MAX_ROWS
 SOURCE = Path(__file__).with_name("int4_matmul.cpp")
 
 # The operator int4_matmul.cpp registers its CPU kernel for (where it is built and the CPU has
@@ -78,7 +84,7 @@ def forget_native_int4() -> None:
 
 def native_int4_applies(x: torch.Tensor, w) -> bool:
     """Checked cheapest first: eager decode asks this for every int4 matmul."""
-    if x.dtype != torch.float32 or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or x.device.type != "cpu":
+    if x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or x.device.type != "cpu":
         return False
     padded, group = w.scales.shape[1], w.group
     return (group % 32 == 0 and x.shape[-1] % 32 == 0 and (w.packed.numel() * 2 // padded) % group == 0
@@ -105,17 +111,44 @@ def _unpack(packed: torch.Tensor, b: int, rows: int, cols: int) -> torch.Tensor:
 
 
 def pack_int4(g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8, scales-and-zeros bf16 [groups, rows, 2]) with rows padded to ROW_ALIGN.
-    Packed a few thousand rows at a time: the kernel's int32 input is 4 bytes a weight."""
+    """(packed uint8, scales [groups, rows, 2]) with rows padded to ROW_ALIGN. Packed a few
+    thousand rows at a time: the kernel's int32 input is 4 bytes a weight.
+
+    The scales take one of two forms, by which kernels will read them:
+    - where int4_matmul.cpp runs: float16 (scale, min), a weight q * scale + min. GGUF's
+      Q4_0, Q4_1 and Q8_0 store exactly these numbers in float16 (Q4_1's d and m; Q4_0's and
+      Q8_0's min is -8 d or -128 d), so the packed weights are the file's to the bit, as the
+      float32 model's are: rounding the scale and zero to bfloat16 moved SmolLM2's mean NLL
+      by -0.00115 (docs/quantization.md). Q4_K's sub-block products and scales computed at
+      load are rounded to float16 (11 bits, where bfloat16 keeps 8).
+    - elsewhere: PyTorch's int4 kernel's bfloat16 (scale, zero), a weight (q - 8) * scale +
+      zero; that kernel takes no float16 scales with bfloat16 inputs, and its float16 inputs
+      run 50-120x slower (measured)."""
     rows, cols = g.q.shape
     pad = -rows % ROW_ALIGN
     q = F.pad(g.q, (0, 0, 0, pad)) if pad else g.q
     chunk = 4096
     packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + chunk].to(torch.int32), 1)
                         for i in range(0, rows + pad, chunk)])
-    sz = torch.stack([g.scale, g.zero], dim=-1)
+    half = native_int4_available()
+    sz = torch.stack([g.scale, g.zero - 8 * g.scale if half else g.zero], dim=-1)
     sz = F.pad(sz, (0, 0, 0, 0, 0, pad)) if pad else sz
-    return packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, sz.transpose(0, 1).contiguous().to(torch.float16 if half else torch.bfloat16)
+
+
+def _scale_and_zero(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (scale, zero) of either form of `pack_int4`: a weight (q - 8) * scale + zero."""
+    scale, other = sz[..., 0].float(), sz[..., 1].float()
+    return scale, other + 8 * scale if sz.dtype == torch.float16 else other
+
+
+def _pytorch_scales(w) -> torch.Tensor:
+    """The scales as PyTorch's int4 kernel takes them. A weight packed for int4_matmul.cpp
+    (float16) is converted at each call: that happens only where the kernel was switched off
+    after the weight was packed (LLMSPLIT_INT4_KERNEL=0 then `forget_native_int4`)."""
+    if w.scales.dtype == torch.bfloat16:
+        return w.scales
+    return torch.stack(_scale_and_zero(w.scales), dim=-1).to(torch.bfloat16)
 
 
 def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, rows: int, group: int, doubled: bool,
@@ -134,8 +167,8 @@ def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, rows: int, group: int, d
         byte = packed.reshape(padded // b, cols, b // 2)[index // b, :, within % (b // 2)]
         q = torch.where((within >= b // 2)[:, None], byte >> 4, byte & 15)
         s = sz[:, index]
-    s = s.float().transpose(0, 1)
-    return Groups(q, s[..., 0].contiguous(), s[..., 1].contiguous(), group, doubled)
+    scale, zero = _scale_and_zero(s.transpose(0, 1))
+    return Groups(q, scale.contiguous(), zero.contiguous(), group, doubled)
 
 
 def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -143,12 +176,12 @@ def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
     if rows.shape[0] > KERNEL_MAX_ROWS:
         return _tiled(x, w, _int4_tile)
     if native_int4_applies(rows, w):
-        y = torch.ops.llmsplit.int4_mm(rows.contiguous(), w.packed, w.scales, w.shape[0], w.group)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        y = torch.ops.llmsplit.int4_mm(rows.float().contiguous(), w.packed, w.scales, w.shape[0], w.group)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     xb = rows.to(torch.bfloat16)
     if w.doubled:
         xb = torch.cat([xb, xb], dim=1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, w.group, w.scales)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, w.group, _pytorch_scales(w))
     return y[:, :w.shape[0]].to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -196,8 +229,9 @@ def _int8_tile(w, start: int, stop: int) -> torch.Tensor:
 
 
 def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of an int4 weight as bf16 [in, rows], with the kernel's bf16 scales
-    and zeros: (q - 8) * scale + zero, rounded once. The kernel's layout is [rows / B, in, B/2]
+    """Rows [start, stop) of an int4 weight as bf16 [in, rows] from its scales as packed
+    (`pack_int4`): q * scale + min (float16) or (q - 8) * scale + zero (bfloat16), in float32
+    and rounded once to bf16. The kernel's layout is [rows / B, in, B/2]
     bytes (`int4_block`), rows j and j + B/2 of a block sharing a byte, so the nibbles split
     into [blocks, in, 2, B/2] are the rows in order. Every step is one contiguous pass; an
     `addcmul` whose scales broadcast with a stride was 10x slower, measured."""
@@ -218,7 +252,7 @@ def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
         cols //= 2
         q = q[:, :cols].sub_(8).mul_(16).add_(q[:, cols:])
         sz = sz[sz.shape[0] // 2:]
-    else:
+    elif w.scales.dtype == torch.bfloat16:  # (q - 8) * scale + zero; float16's q * scale + min
         q.sub_(8)
     out = _workspace("bf16", cols * rows, torch.bfloat16).view(cols, rows)
     out.view(cols, -1, b).copy_(q.reshape(-1, cols, b).transpose(0, 1))

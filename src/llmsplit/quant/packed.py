@@ -28,8 +28,8 @@ PACK_ROWS = 2048  # output rows packed at a time (a multiple of the kernel's row
 
 
 class PackedWeight(torch.Tensor):
-    """kind "int4": `packed` is the CPU kernel's layout, `scales` its bf16 [groups, rows, 2]
-    scales and zeros, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
+    """kind "int4": `packed` is the CPU kernel's layout, `scales` [groups, rows, 2] in one of
+    `kernels.pack_int4`'s two forms, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
     and `scales` bf16 [out]. `rows` (start, stop, whole) makes it a view of rows [start, stop)
     of the `whole`-row weight whose `packed` and `scales` it shares (`base`)."""
 
@@ -64,7 +64,7 @@ class PackedWeight(torch.Tensor):
         key it caches on, so a graph built where int4_matmul.cpp runs would otherwise be served
         to a process where it does not)."""
         return repr((self.__tensor_flatten__()[1], tuple(self.packed.shape), tuple(self.scales.shape),
-                     self.kind == "int4" and kernels.native_int4_available()))
+                     str(self.scales.dtype), self.kind == "int4" and kernels.native_int4_available()))
 
     @classmethod
     def from_groups(cls, g: Groups) -> PackedWeight:
@@ -165,7 +165,8 @@ def _cat(tensors, dim=0):
     tensors = list(tensors)
     first = tensors[0]
     same = all(isinstance(t, PackedWeight) and t.base is None and t.kind == first.kind
-               and (t.group, t.doubled) == (first.group, first.doubled) for t in tensors)
+               and (t.group, t.doubled, t.scales.dtype) == (first.group, first.doubled, first.scales.dtype)
+               for t in tensors)
     if dim != 0 or not same:
         return torch.cat([t.dequantize() if isinstance(t, PackedWeight) else t for t in tensors], dim)
     if first.kind == "int8":

@@ -26,8 +26,8 @@ def kind_for(name: str, mode: str) -> str:
 
 
 def packed_nbytes(shape: tuple[int, int], kind: str) -> int:
-    """Bytes a weight [out, in] takes packed as `kind`: "int4" (groups of 32, a bf16 scale and
-    zero each), "q8_0" (two nibble matrices), "int8" (one bf16 scale a row); rows padded as
+    """Bytes a weight [out, in] takes packed as `kind`: "int4" (groups of 32, a 16-bit scale and
+    zero or min each), "q8_0" (two nibble matrices), "int8" (one bf16 scale a row); rows padded as
     the int4 layout pads them."""
     n, k = shape
     rows = -(-n // ROW_ALIGN) * ROW_ALIGN
