@@ -1,18 +1,17 @@
-"""The paged decode kernel (infer/paged_attention.c) against the path it replaces: keys and
-values gathered out of the pool, then the model's own attention (SDPA, or the explicit scores
-of a soft-capped model), for every pool dtype, grouped-query heads, a sliding window and
-sequences of different lengths scattered over the pool."""
+"""The paged decode kernel (infer/paged_attention.cpp, the operator llmsplit::paged_decode)
+against the path it replaces: keys and values gathered out of the pool, then the model's own
+attention (SDPA, or the explicit scores of a soft-capped model), for every pool dtype,
+grouped-query heads, a sliding window and sequences of different lengths scattered over the pool."""
 
 import pytest
 import torch
 
-from llmsplit import native
 from llmsplit.infer import paged_attention
 from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
 from llmsplit.models.attention import Attention
 from llmsplit.models.llama import LlamaConfig
 
-pytestmark = pytest.mark.skipif(paged_attention._kernel() is None, reason="no C compiler to build the kernel")
+pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C++ compiler to build the kernel")
 
 
 def _layer(window=None, softcap=None, heads=6, kv_heads=2, head_dim=16):
@@ -101,11 +100,11 @@ def test_without_a_compiler_decodes_gather_their_keys(monkeypatch, tmp_path, cap
     q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
     cache.set_step(step)
     built = cache.attend(0, q, k, v, attn._attend, (0.25, None, None))
-    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native.forget(paged_attention.SOURCE)
-    # Built again (with the real compiler) by whichever test uses it next.
-    request.addfinalizer(lambda: native.forget(paged_attention.SOURCE))
+    paged_attention.forget()
+    # Asked again (the library stays loaded) by whichever test uses it next.
+    request.addfinalizer(paged_attention.forget)
     assert not paged_attention.available() and not cache.reads_in_place()
     assert "did not compile" in caplog.text
     cache.set_step(step)
@@ -119,7 +118,7 @@ def test_prefill_kernel_matches_gathered_attention(kv_dtype, head_dim, heads, kv
     """A chunk of one sequence after `start` cached tokens (blocks scattered over the pool), on
     the causal prefill kernel and on the gather + SDPA path: query rows that leave a partial
     row block, key counts off the 64-key blocks, both head sizes it has code for."""
-    if not paged_attention._kernel().paged_prefill_supported():
+    if not paged_attention.prefill_available():
         pytest.skip("the prefill kernel needs AVX-512")
     torch.manual_seed(start + n)
     attn = _layer(heads=heads, kv_heads=kv_heads, head_dim=head_dim)

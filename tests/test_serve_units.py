@@ -415,7 +415,7 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
     kernel the decodes are one part; on the gather path they run in parts of similar lengths
     (a part costing 8 key slots here, so that they split)."""
     if in_place and not paged_attention.available():
-        pytest.skip("no C compiler to build the paged kernel")
+        pytest.skip("no C++ compiler to build the paged kernel")
     monkeypatch.setattr(kv_cache, "PART_COST_SLOTS", 8)
     if not in_place:
         monkeypatch.setattr(paged_attention, "applies", lambda *a: False)

@@ -1,19 +1,15 @@
 """Small native kernels built at first use: the one way llmsplit builds and loads native code.
 
-Where PyTorch has no kernel for a job (paged decode attention, infer/paged_attention.py) or
-its kernel is far from what the memory allows (an int4 matmul at one row, quant/kernels.py),
-the job is a short source file next to its Python module, built for this CPU (-march=native)
-against the OpenMP runtime torch loaded (so its threads are torch's own pool), into a cache
-folder keyed by the source, the compiler and its flags, the CPU and torch's version:
-once a machine. Two kinds:
-- `library`: plain C through ctypes, built with the C compiler torch.compile itself builds
-  CPU kernels with (`cc`, or `$CC`), well under a second. For a kernel Python calls a few
-  times a step.
-- `torch_ops`: C++ that registers an operator's CPU kernel (TORCH_LIBRARY_IMPL) against
-  torch's own headers (`c++`, or `$CXX`; ~5 s, including only torch/library.h and ATen's
-  core, not the whole extension API), loaded into torch's dispatcher. For a kernel called
-  ~100 times a step, from eager code and from compiled graphs alike, where a ctypes call
-  from Python would cost more than the kernel.
+Where PyTorch has no kernel for a job (paged attention, infer/paged_attention.py) or its
+kernel is far from what the memory allows (an int4 matmul of few rows, quant/kernels.py),
+the job is a short C++ source file next to its Python module that registers an operator's CPU
+kernel (TORCH_LIBRARY_IMPL), built for this CPU (-march=native) against torch's own headers
+(`c++`, or `$CXX`; ~5 s, including only torch/library.h and ATen's core, not the whole
+extension API) and the OpenMP runtime torch loaded (so its threads are torch's own pool), into
+a cache folder keyed by the source and the local headers it includes, the compiler and its
+flags, the CPU and torch's version: once a machine. `torch_ops` loads it into torch's
+dispatcher, so eager code and compiled graphs call the same kernel, without a trip through
+Python (a ctypes library, as the paged kernel was first, cannot be called from a graph).
 Where a kernel cannot be built (no compiler, a torch without libgomp or headers, an
 unwritable cache) the caller keeps PyTorch's path, which gives the same values to float
 rounding; `LLMSPLIT_NATIVE=0` asks for that everywhere, and each kernel has its own switch too.
@@ -21,10 +17,10 @@ rounding; `LLMSPLIT_NATIVE=0` asks for that everywhere, and each kernel has its 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -62,20 +58,26 @@ def _torch_flags() -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-lc10", "-ltorch_cpu"]
 
 
-def _compile(source: Path, fallback: str, cxx: bool) -> Path | None:
+def _text(source: Path) -> bytes:
+    """The source and the local headers it includes (`#include "name"`, its own folder), so
+    that a change to either builds it again."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return b"\0".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
+
+
+def _compile(source: Path, fallback: str) -> Path | None:
     """The built shared library of `source`, from the cache or compiled now; None if it cannot be."""
-    compiler = os.environ.get("CXX" if cxx else "CC") or next(
-        filter(None, map(shutil.which, ("c++", "g++") if cxx else ("cc", "gcc"))), None)
+    compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("c++", "g++"))), None)
     gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     headers = Path(torch.__file__).parent / "include" / "torch" / "library.h"
-    missing = (("no C++ compiler" if cxx else "no C compiler") if compiler is None
-               else "torch has no libgomp" if not gomp.exists()
-               else "torch has no C++ headers" if cxx and not headers.exists() else None)
+    missing = ("no C++ compiler" if compiler is None else "torch has no libgomp" if not gomp.exists()
+               else "torch has no C++ headers" if not headers.exists() else None)
     if missing:
         log.info("%s not built (%s); %s", source.name, missing, fallback)
         return None
-    text = source.read_bytes()
-    flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", *(_torch_flags() if cxx else [])]
+    text = _text(source)
+    flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", *_torch_flags()]
     # torch's version too: a C++ kernel built against one torch's headers must not load into another.
     key = hashlib.sha256(b"\0".join([text, " ".join([compiler, *flags, torch.__version__]).encode(),
                                      _cpu_flags().encode()]))
@@ -108,29 +110,13 @@ def _once(source: Path, switch: str, fallback: str, load: Callable[[Path], objec
                 loaded = None
                 if os.environ.get(switch, "1") != "0" and os.environ.get("LLMSPLIT_NATIVE", "1") != "0":
                     try:
-                        built = _compile(source, fallback, cxx=source.suffix == ".cpp")
+                        built = _compile(source, fallback)
                         loaded = load(built) if built is not None else None
                     # An unwritable cache, a hung compiler, a library the loader or torch refuses.
                     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                         log.warning("%s unavailable (%s); %s", source.name, e, fallback)
                 _built[source] = loaded
     return _built[source]
-
-
-def library(source: Path, signatures: dict[str, tuple[list, type | None]], switch: str,
-            fallback: str) -> ctypes.CDLL | None:
-    """The built library of C file `source`, once a process, its functions typed from
-    `signatures` (name -> (argtypes, restype)); None where it cannot be built, or when the
-    environment variable `switch` or LLMSPLIT_NATIVE is "0". `fallback` says, in the log,
-    what runs instead."""
-    def load(path: Path) -> ctypes.CDLL:
-        lib = ctypes.CDLL(str(path))
-        for name, (argtypes, restype) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        return lib
-
-    return _once(source, switch, fallback, load)
 
 
 def torch_ops(source: Path, switch: str, fallback: str) -> bool:
