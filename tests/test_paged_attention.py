@@ -23,10 +23,11 @@ def _layer(window=None, softcap=None, heads=6, kv_heads=2, head_dim=16):
 @pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0)])
 @pytest.mark.parametrize("batch", [1, 7])  # 1: the work split by kv head; 7: by sequence
-def test_kernel_matches_gathered_attention(kv_dtype, window, softcap, batch, monkeypatch):
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128: the AVX-512 rows (paged_decode.h), 16 the loops
+def test_kernel_matches_gathered_attention(kv_dtype, window, softcap, batch, dim, monkeypatch):
     torch.manual_seed(0)
-    attn = _layer(window, softcap)
-    heads, kv_heads, dim = 6, 2, 16
+    attn = _layer(window, softcap, head_dim=dim)
+    heads, kv_heads = 6, 2
     pool = BlockPool(num_blocks=64, block_size=4)
     cache = PagedKVCache(64, 4, kv_heads, dim, {0: torch.device("cpu")}, torch.float32, kv_dtype)
     lengths = [3 + 9 * i % 37 for i in range(batch)]

@@ -115,10 +115,12 @@ static at::Tensor paged_decode(const at::Tensor &q, const at::Tensor &k_pool, co
                                const std::optional<at::Tensor> &k_scale, const std::optional<at::Tensor> &v_scale,
                                const at::Tensor &slots, const at::Tensor &lens, double scale, double softcap,
                                int64_t window) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "llmsplit::paged_decode: q must be float32 [b, heads, dim]");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
+                "llmsplit::paged_decode: q must be float32 [b, heads, dim]");
     const int kind = check_pools(k_pool, v_pool, k_scale, v_scale, q.size(2), "llmsplit::paged_decode");
-    TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
-                    slots.is_contiguous() && lens.is_contiguous() && slots.dim() == 2 && slots.size(0) == q.size(0) &&
+    TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && slots.scalar_type() == at::kLong &&
+                    lens.scalar_type() == at::kLong && slots.is_contiguous() && lens.is_contiguous() &&
+                    slots.dim() == 2 && slots.size(0) == q.size(0) &&
                     lens.numel() == q.size(0),
                 "llmsplit::paged_decode: slots must be int64 [b, width] and lens int64 [b], contiguous, and the "
                 "heads a multiple of the kv heads");

@@ -21,12 +21,68 @@ static inline void softmax_rows(float *restrict scores, int64_t queries, int64_t
     }
 }
 
+/* A key or value row of the pool as attention reads it (`read`, then `dot` with a query or
+ * `add_to` an output row). DV 0: any head size, element by element (the compiler vectorizes
+ * the loops). DV > 0, with AVX-512: head size DV * 16, widened once into registers for the
+ * `group` queries that read it, a dot product DV fused multiply-adds and one sum; the loops of
+ * unknown length cost ~28 cycles a key and query head at batch 1 (SmolLM2's 9 heads over 3,
+ * 158 keys: 17.4 against 14.4 us a layer on one thread). */
+template <int DV, int KIND> struct Row;
+
+template <int KIND> struct Row<0, KIND> {
+    const void *pool;
+    int64_t base, dim;
+    inline void read(const void *p, int64_t b, int64_t d) { pool = p, base = b, dim = d; }
+    inline float dot(const float *restrict q) const {
+        float s = 0.0f;
+        for (int64_t d = 0; d < dim; d++)
+            s += q[d] * load(pool, base + d, KIND);
+        return s;
+    }
+    inline void add_to(float *restrict o, float p) const {
+        for (int64_t d = 0; d < dim; d++)
+            o[d] += p * load(pool, base + d, KIND);
+    }
+};
+
+#if defined(__AVX512F__)
+/* 16 elements of a pool row from `i` on, as float32. */
+template <int KIND> static inline __m512 load16(const void *p, int64_t i) {
+    if (KIND == F32)
+        return _mm512_loadu_ps((const float *)p + i);
+    if (KIND == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+}
+
+template <int DV, int KIND> struct Row {
+    __m512 v[DV];
+    inline void read(const void *p, int64_t b, int64_t) {
+        for (int j = 0; j < DV; j++)
+            v[j] = load16<KIND>(p, b + 16 * j);
+    }
+    inline float dot(const float *restrict q) const {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), v[0]);
+        for (int j = 1; j < DV; j++)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), v[j], s);
+        return _mm512_reduce_add_ps(s);
+    }
+    inline void add_to(float *restrict o, float p) const {
+        const __m512 w = _mm512_set1_ps(p);
+        for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(o + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(o + 16 * j)));
+    }
+};
+#endif
+
 /* Sequence i, kv heads [h0, h1): scores [queries][n], then softmax, then the weighted values.
  * Every field is read into a local first: a store to `scores` could otherwise alias the
  * struct's floats, and the compiler would reload them inside the loops (2.5x slower). */
-static inline __attribute__((always_inline)) void attend_one(const Args *a, int64_t i, int64_t h0, int64_t h1,
-                                                              float *restrict scores, float *restrict acc, int kind) {
-    const int64_t group = a->heads / a->kv_heads, dim = a->dim, kvh = a->kv_heads, window = a->window;
+template <int DV, int KIND>
+static void attend(const Args *a, int64_t i, int64_t h0, int64_t h1, float *restrict scores, float *restrict acc) {
+    const int64_t group = a->heads / a->kv_heads, dim = DV ? DV * 16 : a->dim, kvh = a->kv_heads;
+    const int64_t window = a->window;
     const float scale = a->scale, softcap = a->softcap;
     const void *restrict keys = a->k, *restrict values = a->v;
     const float *restrict k_scale = a->k_scale, *restrict v_scale = a->v_scale;
@@ -36,19 +92,14 @@ static inline __attribute__((always_inline)) void attend_one(const Args *a, int6
     const float *restrict q = a->q + (i * a->heads + h0 * group) * dim;
     const int64_t queries = (h1 - h0) * group;
     n -= first;
+    Row<DV, KIND> r;
     for (int64_t t = 0; t < n; t++) {
         const int64_t row = slot[t] * kvh;
         for (int64_t h = h0; h < h1; h++) {
-            const int64_t base = (row + h) * dim;
+            r.read(keys, (row + h) * dim, dim);
             const float kscale = scale * (k_scale ? k_scale[row + h] : 1.0f);
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qi = (h - h0) * group + g;
-                const float *restrict qv = q + qi * dim;
-                float s = 0.0f;
-                for (int64_t d = 0; d < dim; d++)
-                    s += qv[d] * load(keys, base + d, kind);
-                scores[qi * n + t] = s * kscale;
-            }
+            for (int64_t qi = (h - h0) * group; qi < (h - h0 + 1) * group; qi++)
+                scores[qi * n + t] = r.dot(q + qi * dim) * kscale;
         }
     }
     softmax_rows(scores, queries, n, softcap);
@@ -56,86 +107,14 @@ static inline __attribute__((always_inline)) void attend_one(const Args *a, int6
     for (int64_t t = 0; t < n; t++) {
         const int64_t row = slot[t] * kvh;
         for (int64_t h = h0; h < h1; h++) {
-            const int64_t base = (row + h) * dim;
+            r.read(values, (row + h) * dim, dim);
             const float vscale = v_scale ? v_scale[row + h] : 1.0f;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qi = (h - h0) * group + g;
-                const float p = scores[qi * n + t] * vscale;
-                float *restrict o = acc + qi * dim;
-                for (int64_t d = 0; d < dim; d++)
-                    o[d] += p * load(values, base + d, kind);
-            }
+            for (int64_t qi = (h - h0) * group; qi < (h - h0 + 1) * group; qi++)
+                r.add_to(acc + qi * dim, scores[qi * n + t] * vscale);
         }
     }
     memcpy(a->out + (i * a->heads + h0 * group) * dim, acc, sizeof(float) * queries * dim);
 }
-
-#if defined(__AVX512F__)
-/* 16 elements of a pool row from `i` on, as float32. */
-template <int KIND> static inline __m512 load16(const void *p, int64_t i) {
-    if (KIND == F32)
-        return _mm512_loadu_ps((const float *)p + i);
-    if (KIND == BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
-}
-
-/* attend_one for head sizes of DV * 16 (64, 128), in AVX-512 registers: each key and value row
- * is loaded and widened once for the `group` queries that read it, and a query's dot product
- * with it is DV fused multiply-adds and one sum. The generic loops, whose length the compiler
- * does not know, cost ~28 cycles a key and query head at batch 1 (SmolLM2's 9 heads over 3,
- * 158 keys: 17.4 us a layer on one thread; PyTorch's SDPA in a compiled step was no faster). */
-template <int DV, int KIND>
-static void attend_vec(const Args *a, int64_t i, int64_t h0, int64_t h1, float *restrict scores,
-                       float *restrict acc) {
-    const int64_t group = a->heads / a->kv_heads, kvh = a->kv_heads, window = a->window, dim = DV * 16;
-    const float scale = a->scale;
-    const void *restrict keys = a->k, *restrict values = a->v;
-    const float *restrict k_scale = a->k_scale, *restrict v_scale = a->v_scale;
-    int64_t n = a->lens[i];
-    const int64_t first = window > 0 && n > window ? n - window : 0;
-    const int64_t *restrict slot = a->slots + i * a->width + first;
-    const float *restrict q = a->q + (i * a->heads + h0 * group) * dim;
-    const int64_t queries = (h1 - h0) * group;
-    n -= first;
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t row = slot[t] * kvh;
-        for (int64_t h = h0; h < h1; h++) {
-            __m512 k[DV];
-            for (int j = 0; j < DV; j++)
-                k[j] = load16<KIND>(keys, (row + h) * dim + 16 * j);
-            const float kscale = scale * (k_scale ? k_scale[row + h] : 1.0f);
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qi = (h - h0) * group + g;
-                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q + qi * dim), k[0]);
-                for (int j = 1; j < DV; j++)
-                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q + qi * dim + 16 * j), k[j], s);
-                scores[qi * n + t] = _mm512_reduce_add_ps(s) * kscale;
-            }
-        }
-    }
-    softmax_rows(scores, queries, n, a->softcap);
-    memset(acc, 0, sizeof(float) * queries * dim);
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t row = slot[t] * kvh;
-        for (int64_t h = h0; h < h1; h++) {
-            __m512 v[DV];
-            for (int j = 0; j < DV; j++)
-                v[j] = load16<KIND>(values, (row + h) * dim + 16 * j);
-            const float vscale = v_scale ? v_scale[row + h] : 1.0f;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qi = (h - h0) * group + g;
-                const __m512 p = _mm512_set1_ps(scores[qi * n + t] * vscale);
-                float *restrict o = acc + qi * dim;
-                for (int j = 0; j < DV; j++)
-                    _mm512_storeu_ps(o + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(o + 16 * j)));
-            }
-        }
-    }
-    memcpy(a->out + (i * a->heads + h0 * group) * dim, acc, sizeof(float) * queries * dim);
-}
-#endif
 
 typedef void (*AttendFn)(const Args *, int64_t, int64_t, int64_t, float *, float *);
 
@@ -143,14 +122,12 @@ typedef void (*AttendFn)(const Args *, int64_t, int64_t, int64_t, float *, float
 template <int KIND> static AttendFn attend_for(int64_t dim) {
 #if defined(__AVX512F__)
     if (dim == 64)
-        return attend_vec<4, KIND>;
+        return attend<4, KIND>;
     if (dim == 128)
-        return attend_vec<8, KIND>;
+        return attend<8, KIND>;
 #endif
     (void)dim;
-    return [](const Args *a, int64_t i, int64_t h0, int64_t h1, float *scores, float *acc) {
-        attend_one(a, i, h0, h1, scores, acc, KIND);
-    };
+    return attend<0, KIND>;
 }
 
 static inline __attribute__((always_inline)) int run(const Args *a, int kind) {
