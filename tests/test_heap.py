@@ -35,3 +35,31 @@ def test_a_freed_activation_is_reused_without_page_faults():
     # glibc's defaults give the block back to the kernel: its 5,120 pages of 4 KiB fault in again
     # (unless transparent huge pages back it, when both fault a few 2 MiB pages).
     assert default > 4000 or default < 100, default
+
+
+# Freed below a live block, a heap block stays resident (the thresholds `keep_freed_memory`
+# sets make the heap keep even 24 MiB); `give_back_freed_memory` returns its pages.
+TRIM = """
+import sys, torch
+from llmsplit.infer.heap import give_back_freed_memory, keep_freed_memory
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) << 10
+assert keep_freed_memory()
+low, high = torch.ones(6 << 20), torch.ones(1 << 10)
+before = rss()
+del low
+if sys.argv[1] == "trim":
+    give_back_freed_memory()
+print(before - rss())
+"""
+
+
+def test_freed_memory_goes_back_when_asked():
+    """What loading frees between live blocks (a tensor's conversion transients, the q/k/v parts
+    once fused) leaves the resident set when given back, and only then."""
+    def released(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", TRIM, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert released("trim") > 20 << 20
+    assert released("keep") < 4 << 20

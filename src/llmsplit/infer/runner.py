@@ -25,7 +25,7 @@ from ..models.llama import Transformer
 from ..models.rope import model_rope_tables
 from ..threads import ThreadTuner
 from .cpu_experts import experts_on_cpu
-from .heap import keep_freed_memory
+from .heap import give_back_freed_memory, keep_freed_memory
 from .kv_cache import PackedStep, PagedKVCache, Step
 from .offload import Offloader, set_parameter
 from .placement import Placement
@@ -174,11 +174,15 @@ class Runner:
                 set_parameter(module, key, t.to("cpu" if cpu_experts and key in _EXPERT_KEYS else dev))
             if cpu_experts:  # --n-cpu-moe: this layer's experts run where they are kept
                 module.feed_forward.dispatch = experts_on_cpu
+            if unit.startswith("layers."):
+                fuse_projections([module])
             self.devices[unit] = torch.device(dev)
+            # This unit's conversion transients and its unfused parts, so that the load's peak is
+            # the live weights, not their holes in the heap as well.
+            give_back_freed_memory()
         first = self.devices.get("tok_embeddings") or self.devices[f"layers.{min(owned)}"]
         model.rope_cos, model.rope_sin = model_rope_tables(cfg, spec.max_context, first)
         self._move_at_device_changes(model)
-        fuse_projections([model.layers[str(i)] for i in owned if f"layers.{i}" not in offloaded])
         if spec.tp_size > 1:
             for i in owned:
                 layer = model.layers[str(i)]
