@@ -20,8 +20,8 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   AVX-512 VNNI and VBMI: integer dot products of the nibbles with x kept to 15 bits,
   software-prefetched. Why by hand: at one row PyTorch's kernel widens every nibble to
   bfloat16 and is bound by that work, not by memory (gate/up 0.109 ms with the weight in
-  cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 1.05-1.12x
-  llama.cpp's tokens/s (BENCHMARKS.md, medians of two runs). It re-reads a 64-row block from cache for each
+  cache, 8 GB/s). Compiled decode of SmolLM2-135M Q4_1 at 2 threads on the EPYC: 0.99-1.12x
+  llama.cpp's tokens/s (BENCHMARKS.md, medians of three runs). It re-reads a 64-row block from cache for each
   row of x, and is still at least as fast as PyTorch's kernel up to 32 rows (`NATIVE_MAX_ROWS`).
   Its product is closer to the float one than PyTorch's kernel's (x is not rounded to
   bfloat16), and it reads the weights' float16 scales (`pack_int4`): GGUF's own, exactly.
