@@ -45,6 +45,19 @@ def test_gguf_scales_are_kept_to_the_bit(kind):
     assert w.scales.dtype == torch.float16 and torch.equal(w.dequantize(), want.reshape(rows, cols))
 
 
+def test_scales_past_float16s_range_keep_pytorchs_form():
+    """A group whose 16 d is past float16's range keeps the bfloat16 form, which the kernel reads
+    too: the product is still the dequantized weight's."""
+    g = from_gguf_blocks("Q8_0", _blocks(64, 64, "Q8_0"), 64, 64)
+    g.scale[0, 0], g.zero[0, 0] = 8192.0, 0.0  # a high-nibble group: 16 * 512
+    w = pack_groups(g)
+    x = torch.randn(1, 64)
+    want = x @ w.dequantize().t()
+    assert w.scales.dtype == torch.bfloat16 and torch.isfinite(w.dequantize()).all()
+    # (x's 15 bits against one group 2,000 times the others': 3e-4 of the largest output)
+    assert (torch.nn.functional.linear(x, w) - want).abs().max() < 1e-3 * want.abs().max()
+
+
 @pytest.mark.parametrize("rows,cols,m", [(100, 128, 1), (192, 576, 1), (64, 32, 1), (100, 128, 3), (192, 576, 32)])
 def test_few_rows_match_the_dequantized_product(rows, cols, m):
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(cols))

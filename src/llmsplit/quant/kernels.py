@@ -130,10 +130,18 @@ def pack_int4(g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = 4096
     packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + chunk].to(torch.int32), 1)
                         for i in range(0, rows + pad, chunk)])
-    half = native_int4_available()
-    sz = torch.stack([g.scale, g.zero - 8 * g.scale if half else g.zero], dim=-1)
-    sz = F.pad(sz, (0, 0, 0, 0, 0, pad)) if pad else sz
-    return packed, sz.transpose(0, 1).contiguous().to(torch.float16 if half else torch.bfloat16)
+    if native_int4_available():
+        sz = _grouped(torch.stack([g.scale, g.zero - 8 * g.scale], dim=-1), pad).to(torch.float16)
+        if torch.isfinite(sz).all():
+            return packed, sz
+        # Past float16's range (a Q8_0 block's 16 d or 128 d above 65504): PyTorch's form, which
+        # int4_matmul.cpp reads too.
+    return packed, _grouped(torch.stack([g.scale, g.zero], dim=-1), pad).to(torch.bfloat16)
+
+
+def _grouped(sz: torch.Tensor, pad: int) -> torch.Tensor:
+    """[rows, groups, 2] -> [groups, rows + pad, 2], the padded rows zero."""
+    return (F.pad(sz, (0, 0, 0, 0, 0, pad)) if pad else sz).transpose(0, 1).contiguous()
 
 
 def _scale_and_zero(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
