@@ -17,6 +17,7 @@ rounding; `LLMSPLIT_NATIVE=0` asks for that everywhere, and each kernel has its 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -36,7 +37,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-
          "-fopenmp", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
-_built: dict[Path, object | None] = {}  # source -> what its loader returned
+_built: dict[Path, Path | None] = {}  # source -> its loaded library (None: not built)
 
 
 def cache_dir() -> Path:
@@ -101,34 +102,44 @@ def _compile(source: Path, fallback: str) -> Path | None:
     return target
 
 
-def _once(source: Path, switch: str, fallback: str, load: Callable[[Path], object]) -> object | None:
-    """`load(built library)` of `source`, memoised per process; None where it cannot be built,
-    or when the environment variable `switch` or LLMSPLIT_NATIVE is "0"."""
+def torch_ops(source: Path, switch: str, fallback: str) -> bool:
+    """Whether C++ file `source` is built and loaded into torch's dispatcher (its operator
+    kernels registered), once a process; False where it cannot be built, or when `switch` or
+    LLMSPLIT_NATIVE is "0". A library torch loaded stays loaded: after `forget`, a switched-off
+    kernel is still registered, and its callers must ask this function, not the dispatcher."""
     if source not in _built:
         with _lock:
             if source not in _built:
                 loaded = None
                 if os.environ.get(switch, "1") != "0" and os.environ.get("LLMSPLIT_NATIVE", "1") != "0":
                     try:
-                        built = _compile(source, fallback)
-                        loaded = load(built) if built is not None else None
+                        loaded = _compile(source, fallback)
+                        if loaded is not None:
+                            torch.ops.load_library(str(loaded))
                     # An unwritable cache, a hung compiler, a library the loader or torch refuses.
                     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                         log.warning("%s unavailable (%s); %s", source.name, e, fallback)
+                        loaded = None
                 _built[source] = loaded
-    return _built[source]
+    return _built[source] is not None
 
 
-def torch_ops(source: Path, switch: str, fallback: str) -> bool:
-    """Whether C++ file `source` is built and loaded into torch's dispatcher (its operator
-    kernels registered), once a process; False where it cannot be built, or when `switch` or
-    LLMSPLIT_NATIVE is "0". A library torch loaded stays loaded: after `forget`, a switched-off
-    kernel is still registered, and its callers must ask this function, not the dispatcher."""
-    def load(path: Path) -> Path:
-        torch.ops.load_library(str(path))
-        return path
+def process_constant(ask: Callable[[], bool]) -> Callable[[], bool]:
+    """`ask()` answered once a process (its `cache_clear` asks again: tests), and a constant to
+    torch.compile, so that a compiled step calls it instead of breaking its graph there. A dict
+    rather than functools.cache: dynamo traces through a cache wrapper into the function (and
+    warns), where it takes an `assume_constant_result` function's answer as it is."""
+    answers: dict[str, bool] = {}
 
-    return _once(source, switch, fallback, load) is not None
+    @torch.compiler.assume_constant_result
+    @functools.wraps(ask)
+    def answer() -> bool:
+        if "answer" not in answers:
+            answers["answer"] = ask()
+        return answers["answer"]
+
+    answer.cache_clear = answers.clear
+    return answer
 
 
 def forget(source: Path) -> None:

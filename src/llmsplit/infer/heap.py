@@ -22,24 +22,22 @@ TRIM_THRESHOLD = 1 << 30  # free memory the heap's top may keep before it shrink
 
 
 @functools.cache
-def keep_freed_memory() -> bool:
-    """Once a process: whether glibc's thresholds were raised (False: another libc)."""
+def _glibc(name: str, argtypes: tuple, restype):
+    """The C library's function `name`, typed; None where this libc has none."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        return None
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
 
 
 @functools.cache
-def _malloc_trim():
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+def keep_freed_memory() -> bool:
+    """Once a process: whether glibc's thresholds were raised (False: another libc)."""
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    return (mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+            and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
 
 
 def give_back_freed_memory() -> None:
@@ -49,7 +47,6 @@ def give_back_freed_memory() -> None:
     between live blocks: SmolLM2-135M Q4_1 ended its load at 172 MiB above the imports, 143
     after a trim. Called after each unit the runner loads (the unit's q/k/v and gate/up fused
     first, so their parts go too), before `keep_freed_memory` makes the heap keep them."""
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is not None:
         trim(0)
-

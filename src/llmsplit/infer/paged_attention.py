@@ -52,31 +52,23 @@ torch.library.register_fake("llmsplit::paged_prefill",
                             lambda q, *args: q.new_empty(q.shape[2], q.shape[1] * q.shape[3]), lib=_ops)
 
 
-_answers: dict[str, bool] = {}  # asked once a layer a step: answered once a process (`forget`)
-
-
-@torch.compiler.assume_constant_result
+@native.process_constant  # asked once a layer a step, by compiled decode steps too
 def available() -> bool:
-    """Whether the kernels are built (or can be, at this first call): a constant to
-    torch.compile, so a compiled decode step asks too instead of breaking its graph here."""
-    if "decode" not in _answers:
-        _answers["decode"] = native.torch_ops(SOURCE, "LLMSPLIT_PAGED_KERNEL", "attention gathers the keys for SDPA")
-    return _answers["decode"]
+    """Whether the kernels are built (or can be, at this first call)."""
+    return native.torch_ops(SOURCE, "LLMSPLIT_PAGED_KERNEL", "attention gathers the keys for SDPA")
 
 
-@torch.compiler.assume_constant_result
+@native.process_constant
 def prefill_available() -> bool:
     """Whether the chunk kernel runs here too (it needs AVX-512)."""
-    if "prefill" not in _answers:
-        _answers["prefill"] = available() and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::paged_prefill",
-                                                                                           "CPU")
-    return _answers["prefill"]
+    return available() and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::paged_prefill", "CPU")
 
 
 def forget() -> None:
     """Ask again at the next use (LLMSPLIT_PAGED_KERNEL changed: tests)."""
     native.forget(SOURCE)
-    _answers.clear()
+    available.cache_clear()
+    prefill_available.cache_clear()
 
 
 def applies(q: torch.Tensor, pool: torch.Tensor) -> bool:

@@ -66,11 +66,9 @@ _ops.define("int4_widen(Tensor packed, Tensor scales, int group, int start_block
 torch.library.register_fake("llmsplit::int4_widen", lambda packed, scales, group, b0, b1, doubled, out: None, lib=_ops)
 
 
-@torch.compiler.assume_constant_result
-@functools.cache  # eager decode asks ~120 times a token
+@native.process_constant  # eager decode asks ~120 times a token; a compiled step calls it too
 def native_int4_available() -> bool:
-    """Whether int4_matmul.cpp runs on this machine: a constant to torch.compile, so a compiled
-    decode step calls it too instead of breaking its graph here."""
+    """Whether int4_matmul.cpp runs on this machine."""
     built = native.torch_ops(SOURCE, "LLMSPLIT_INT4_KERNEL", "int4 matmuls of few rows run PyTorch's kernel")
     return (int4_block() == 64 and built
             and torch._C._dispatch_has_kernel_for_dispatch_key("llmsplit::int4_mm", "CPU"))
