@@ -10,7 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from llmsplit.quant import from_gguf_blocks, kernels, pack_groups, quantize  # noqa: E402
+from llmsplit.quant import from_gguf_blocks, kernels, pack_groups, packed_nbytes, quantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.native_int4_available(),
                                 reason="no C++ compiler, or a CPU without AVX-512 VNNI/VBMI")
@@ -43,19 +43,36 @@ def test_gguf_scales_are_kept_to_the_bit(kind):
     w = pack_groups(from_gguf_blocks(kind, blocks, rows, cols))
     want = torch.from_numpy(gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)))
     assert w.scales.dtype == torch.float16 and torch.equal(w.dequantize(), want.reshape(rows, cols))
+    # Q8_0 keeps the file's d alone: 34 bytes a block of 32 weights, as in the file, not 40.
+    assert w.scales.shape[-1] == (1 if kind == "Q8_0" else 2)
+    held = sum(w.nbytes_held().values())
+    assert held == packed_nbytes((rows, cols), "q8_0" if kind == "Q8_0" else "int4")
+    if kind == "Q8_0":
+        assert held == 128 * cols * 34 // 32  # rows padded to 128
+
+
+def _product_is_the_dequantized_weights(w, cols):
+    x = torch.randn(1, cols)
+    want = x @ w.dequantize().t()
+    assert torch.isfinite(w.dequantize()).all()
+    # (x's 15 bits against one group 2,000 times the others': 3e-4 of the largest output)
+    assert (torch.nn.functional.linear(x, w) - want).abs().max() < 1e-3 * want.abs().max()
 
 
 def test_scales_past_float16s_range_keep_pytorchs_form():
-    """A group whose 16 d is past float16's range keeps the bfloat16 form, which the kernel reads
-    too: the product is still the dequantized weight's."""
-    g = from_gguf_blocks("Q8_0", _blocks(64, 64, "Q8_0"), 64, 64)
-    g.scale[0, 0], g.zero[0, 0] = 8192.0, 0.0  # a high-nibble group: 16 * 512
+    """A group whose min (-8 d) is past float16's range keeps the bfloat16 form, which the kernel
+    reads too; a Q8_0 block whose 16 d and -128 d are past it keeps its d alone, which is not."""
+    g = from_gguf_blocks("Q4_0", _blocks(64, 64, "Q4_0"), 64, 64)
+    g.scale[0, 0] = 16384.0  # min -131072
     w = pack_groups(g)
-    x = torch.randn(1, 64)
-    want = x @ w.dequantize().t()
-    assert w.scales.dtype == torch.bfloat16 and torch.isfinite(w.dequantize()).all()
-    # (x's 15 bits against one group 2,000 times the others': 3e-4 of the largest output)
-    assert (torch.nn.functional.linear(x, w) - want).abs().max() < 1e-3 * want.abs().max()
+    assert w.scales.dtype == torch.bfloat16
+    _product_is_the_dequantized_weights(w, 64)
+    g = from_gguf_blocks("Q8_0", _blocks(64, 64, "Q8_0"), 64, 64)
+    d = 8192.0  # the first block of row 0: groups 0 (high nibbles) and 2 (low ones)
+    g.scale[0, 0], g.zero[0, 0], g.scale[0, 2], g.zero[0, 2] = 16 * d, 0.0, d, 8 * d
+    w = pack_groups(g)
+    assert w.scales.dtype == torch.float16 and w.scales.shape[-1] == 1 and w.scales[0, 0, 0] == d
+    _product_is_the_dequantized_weights(w, 64)
 
 
 @pytest.mark.parametrize("rows,cols,m", [(100, 128, 1), (192, 576, 1), (64, 32, 1), (100, 128, 3), (192, 576, 32)])
@@ -103,13 +120,19 @@ def test_the_operator_refuses_what_it_would_misread():
         torch.ops.llmsplit.int4_widen(w.packed, w.scales, 32, 0, 1, False, torch.empty(128, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="do not match"):
         torch.ops.llmsplit.int4_widen(w.packed, w.scales, 32, 0, 3, False, torch.empty(128, 192, dtype=torch.bfloat16))
+    q8 = _weights(100, 128)["q8_0"]  # Q8_0's d alone: its columns are two nibble matrices
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.llmsplit.int4_mm(torch.randn(1, 256), q8.packed, q8.scales, 100, 32)
+    with pytest.raises(RuntimeError, match="does not match its scales"):
+        torch.ops.llmsplit.int4_widen(q8.packed, q8.scales, 32, 0, 1, False, torch.empty(256, 64, dtype=torch.bfloat16))
 
 
-def test_more_rows_and_no_kernel_run_pytorchs(monkeypatch, request):
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_more_rows_and_no_kernel_run_pytorchs(kind, monkeypatch, request):
     """Above NATIVE_MAX_ROWS rows the prompt path runs (bf16 tiles); with LLMSPLIT_INT4_KERNEL=0
     PyTorch's kernel runs on the same weight (its bf16 rounding, within 1% here, its scales
-    converted from the float16 form); the compile cache key of a packed weight says which."""
-    w = _weights(100, 128)["q4_1"]
+    converted from the float16 forms); the compile cache key of a packed weight says which."""
+    w = _weights(100, 128)[kind]
     x = torch.randn(kernels.NATIVE_MAX_ROWS + 1, 128)
     want = x @ w.dequantize().t()
     assert not kernels.native_int4_applies(x, w) and kernels.native_int4_applies(x[:-1], w)

@@ -251,7 +251,8 @@ def packed_unit_bytes(source, quantize: str | None) -> dict[str, int]:
             kind = quant.kind_for(name, quantize)
         if kind is not None:
             packed_units.add(unit)
-        out[unit] = out.get(unit, 0) + (quant.packed_nbytes(shape, kind) if kind else 4 * _numel(shape))
+        nbytes = quant.packed_nbytes(shape, kind, native=quant.kernels.native_int4_available()) if kind else None
+        out[unit] = out.get(unit, 0) + (nbytes or 4 * _numel(shape))
     return {u: b for u, b in out.items() if u in packed_units}
 
 

@@ -11,7 +11,8 @@ GGUF types and what they become (docs/quantization.md has the table):
   scale d * sc, zero 8 d sc - dmin * m per sub-block. Same weights.
 - Q8_0 (w = d * q, q an int8): split into two nibbles, q + 128 = 16 hi + lo, which are two
   int4 matrices side by side over twice the inputs (the input is fed twice): hi with scale
-  16 d and zero 0, lo with scale d and zero 8 d. Same weights, one kernel, 8 bits a weight.
+  16 d and zero 0, lo with scale d and zero 8 d. Same weights, one kernel, 8 bits a weight;
+  packed where int4_matmul.cpp runs, only d is kept (`kernels.pack_int4`), as in the file.
   (`_weight_int8pack_mm` takes one scale per output row only, so it cannot hold Q8_0's
   per-block scales without requantizing.)
 Every other type (F32, F16, BF16, Q5_*, Q2_K, Q3_K, Q5_K, Q6_K) is widened to the compute

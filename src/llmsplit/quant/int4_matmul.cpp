@@ -14,6 +14,11 @@
  * bfloat16 (scale, zero), a weight (q - 8) * scale + zero. With `offset` 0 or 8, over a group
  *     sum_k w[r,k] x[k] = scale * (sum_k q x - offset sum_k x) + zero * sum_k x:
  * the nibbles are multiplied as they are (0..15) and the scale and zero applied once a group.
+ * A third form holds GGUF Q8_0 (two nibble matrices over the doubled input, q + 128 = 16 hi +
+ * lo): the file's float16 d alone, [in / group][padded rows][1], 34 bytes a block of 32 weights
+ * as in the file, where a (scale, min) pair for each nibble matrix's group made it 40. Column
+ * k's high nibble and column k + in's low one are joined into q + 128 (0..255) in the int16
+ * lanes, and a weight is (q + 128 - 128) * d: one vpdpwssd an input pair, not one a matrix.
  * x is quantized to int16 in blocks of 32 inputs (the block's largest magnitude / 32767: 15
  * bits, where PyTorch's kernel rounds x to bfloat16's 8), so sum_k q x is integer `vpdpwssd`
  * work: one `vpermb` spreads two inputs' nibbles of 16 rows into int16 pairs, one `vpdpwssd`
@@ -35,14 +40,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 typedef struct {
     const float *x;        /* [m, in] */
     const uint8_t *w;      /* [padded / 64][cols][32] */
-    const uint16_t *sz;    /* float16 or bfloat16 [cols / group][padded][2] */
+    const uint16_t *sz;    /* float16 or bfloat16 [cols / group][padded][2], or Q8_D's [in / group][padded] */
     float *y;              /* [m, rows] */
     int64_t m, in, cols, rows, padded, group, threads;
-    bool half; /* sz is float16 (scale, min), else bfloat16 (scale, zero) */
+    int form; /* how sz reads: Form */
 } Args;
+
+/* The forms of the scales (kernels.pack_int4). */
+enum Form { ZERO_BF16 = 0, MIN_F16 = 1, Q8_D = 2 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
@@ -52,25 +62,59 @@ typedef struct {
  * 512 read a cold SmolLM2 head at 14.5 GB/s against 11.1 at 2048 and ~9 without (one thread). */
 #define PREFETCH 512
 
-/* The scales (low half) or zeros / mins (high half) of 16 rows: one 32-bit lane of sz each. */
-template <bool HALF> static inline __m512 scale_of(__m512i sz16) {
-    if (HALF)
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sz16));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
+/* uint16 numbers a row in sz: a (scale, zero or min) pair, or Q8_0's d. */
+template <int FORM> static constexpr int row_stride() { return FORM == Q8_D ? 1 : 2; }
+
+/* The scales and zeros / mins of 16 rows of a group, from `s` (the group's numbers at the
+ * first of the rows): a weight (q - offset) * scale + zero, q a nibble or, for Q8_D, the
+ * joined byte q + 128. ZERO_BF16 and MIN_F16 hold one 32-bit lane a row, the scale low, the
+ * other high; Q8_D one float16 d a row. */
+template <int FORM> struct GroupScales {
+    __m512 scale, zero;
+    float offset;
+    explicit GroupScales(const uint16_t *s) {
+        if (FORM == Q8_D) {
+            scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            zero = _mm512_setzero_ps();
+            offset = 128.0f;
+            return;
+        }
+        const __m512i sz16 = _mm512_loadu_si512(s);
+        if (FORM == MIN_F16) {
+            scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sz16));
+            zero = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sz16, 16)));
+        } else {
+            scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
+            zero = _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
+        offset = FORM == ZERO_BF16 ? 8.0f : 0.0f;
+    }
+};
+
+/* f(std::integral_constant<int, FORM>()) for the run-time `form`: each form its own compiled loop. */
+template <typename F> static inline void with_form(int form, F f) {
+    if (form == Q8_D)
+        f(std::integral_constant<int, Q8_D>());
+    else if (form == MIN_F16)
+        f(std::integral_constant<int, MIN_F16>());
+    else
+        f(std::integral_constant<int, ZERO_BF16>());
 }
-template <bool HALF> static inline __m512 zero_of(__m512i sz16) {
-    if (HALF)
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sz16, 16)));
-    return _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
+
+/* Where the numbers of the group holding column `k` lie in sz for rows from `r0` on. */
+template <int FORM>
+static inline const uint16_t *group_scales_at(const uint16_t *sz, int64_t k, int64_t group, int64_t padded,
+                                              int64_t r0) {
+    return sz + ((k / group) * padded + r0) * row_stride<FORM>();
 }
 
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache. */
-template <bool HALF>
+template <int FORM>
 static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs,
                       int64_t in, int64_t cols, int64_t group, const uint8_t *__restrict__ blk,
-                      const uint16_t *__restrict__ sz, int64_t padded, float *__restrict__ out) {
+                      const uint16_t *__restrict__ sz, int64_t r0, int64_t padded, float *__restrict__ out) {
     /* Bytes 4i and 4i + 2 of quarter h are inputs k and k + 1 of row 16h + i (within the low
      * or high nibbles), bytes 4i + 1 and 4i + 3 zero: a lane is two int16 for vpdpwssd. */
     __m512i idx[2];
@@ -85,15 +129,22 @@ static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ 
     const __mmask64 even = 0x5555555555555555ull;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t g0 = 0; g0 < cols; g0 += group) {
+    for (int64_t g0 = 0; g0 < (FORM == Q8_D ? in : cols); g0 += group) {
         __m512 dot0 = _mm512_setzero_ps(), dot1 = dot0, dot2 = dot0, dot3 = dot0;
         for (int64_t b0 = g0; b0 < g0 + group; b0 += QBLOCK) {
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
             const int16_t *xb = xq + b0 % in; /* Q8_0's second half reads x again */
             for (int64_t k = 0; k < QBLOCK; k += 2) {
-                const __m512i ab = _mm512_loadu_si512(blk + (b0 + k) * 32);
-                _mm_prefetch((const char *)(blk + (b0 + k) * 32 + PREFETCH), _MM_HINT_T0);
-                const __m512i lo = _mm512_and_si512(ab, low), hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
+                const uint8_t *col = blk + (b0 + k) * 32;
+                const __m512i ab = _mm512_loadu_si512(col);
+                _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
+                __m512i lo = _mm512_and_si512(ab, low), hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
+                if (FORM == Q8_D) { /* joined byte by byte with the low nibbles' column: 16 hi + lo */
+                    const __m512i cd = _mm512_loadu_si512(col + in * 32);
+                    _mm_prefetch((const char *)(col + in * 32 + PREFETCH), _MM_HINT_T0);
+                    lo = _mm512_or_si512(_mm512_slli_epi16(lo, 4), _mm512_and_si512(cd, low));
+                    hi = _mm512_or_si512(_mm512_andnot_si512(low, ab), _mm512_and_si512(_mm512_srli_epi16(cd, 4), low));
+                }
                 int32_t two;
                 memcpy(&two, xb + k, 4);
                 const __m512i xv = _mm512_set1_epi32(two);
@@ -108,14 +159,13 @@ static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ 
             dot2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), d, dot2);
             dot3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s3), d, dot3);
         }
-        /* scale, zero (or min) of 16 rows: one 32-bit lane each, the scale low, the other high */
-        const uint16_t *s = sz + (g0 / group) * padded * 2;
-        const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), offset = _mm512_set1_ps(HALF ? 0.0f : 8.0f);
+        const __m512 xsum = _mm512_set1_ps(xs[g0 / group]);
+        const uint16_t *s = group_scales_at<FORM>(sz, g0, group, padded, r0);
 #define APPLY(q, dot, acc)                                                                             \
         {                                                                                              \
-            const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);                                       \
-            acc = _mm512_fmadd_ps(scale_of<HALF>(sz16), _mm512_fnmadd_ps(offset, xsum, dot),           \
-                                  _mm512_fmadd_ps(zero_of<HALF>(sz16), xsum, acc));                    \
+            const GroupScales<FORM> gs(s + 16 * q * row_stride<FORM>());                               \
+            acc = _mm512_fmadd_ps(gs.scale, _mm512_fnmadd_ps(_mm512_set1_ps(gs.offset), xsum, dot),    \
+                                  _mm512_fmadd_ps(gs.zero, xsum, acc));                                \
         }
         APPLY(0, dot0, acc0) APPLY(1, dot1, acc1) APPLY(2, dot2, acc2) APPLY(3, dot3, acc3)
 #undef APPLY
@@ -173,29 +223,37 @@ static bool int4_matmul(const Args *a) {
     }
     quantize_x(a->x, m, in, cols, group, xq, xd, xs, xs + m * (cols / group));
     const int64_t blocks = a->padded / 64;
+    decltype(&block_row<Q8_D>) row_of_block = nullptr;
+    with_form(a->form, [&](auto form) { row_of_block = &block_row<decltype(form)::value>; });
 #pragma omp parallel for num_threads((int)a->threads) schedule(static) collapse(2)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t t = 0; t < m; t++) {
             float out[64];
             const int64_t r0 = b * 64, n = rows - r0 < 64 ? rows - r0 : 64;
-            (a->half ? block_row<true> : block_row<false>)(xq + t * in, xd + t * (in / QBLOCK), xs + t * (cols / group),
-                                                           in, cols, group, a->w + b * cols * 32, a->sz + r0 * 2,
-                                                           a->padded, out);
+            row_of_block(xq + t * in, xd + t * (in / QBLOCK), xs + t * (cols / group), in, cols, group,
+                         a->w + b * cols * 32, a->sz, r0, a->padded, out);
             memcpy(a->y + t * rows + r0, out, sizeof(float) * (size_t)n);
         }
     free(xq), free(xd), free(xs);
     return true;
 }
 
-/* The packed weight's tensors as both operators read them (`op` names the caller); whether
- * the scales are the float16 (scale, min) form. */
-static bool check_weight(const at::Tensor &packed, const at::Tensor &scales, const char *op) {
+/* The packed weight's tensors as both operators read them (`op` names the caller, `in` the
+ * inputs: a Q8_D weight's columns are twice them): the form of its scales (Form). */
+static int check_weight(const at::Tensor &packed, const at::Tensor &scales, int64_t group, int64_t in,
+                        const char *op) {
     const bool half = scales.scalar_type() == at::kHalf;
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                     (half || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous() && scales.dim() == 3 &&
-                    scales.size(2) == 2,
-                op, ": packed must be contiguous uint8 and scales contiguous float16 or bfloat16 [groups, rows, 2]");
-    return half;
+                    (scales.size(2) == 2 || (half && scales.size(2) == 1)),
+                op, ": packed must be contiguous uint8 and scales contiguous float16 or bfloat16 [groups, rows, 2] "
+                "(float16 [groups, rows, 1]: Q8_0's d)");
+    const int form = scales.size(2) == 1 ? Q8_D : half ? MIN_F16 : ZERO_BF16;
+    const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
+    TORCH_CHECK(padded % 64 == 0 && cols == scales.size(0) * group * (form == Q8_D ? 2 : 1) &&
+                    (form != Q8_D || cols == 2 * in),
+                op, ": the weight's packed shape does not match its scales, inputs and group");
+    return form;
 }
 
 /* llmsplit::int4_mm: x [m, in] float32 @ W.T, W the `rows`-row int4 weight (`packed`,
@@ -205,16 +263,16 @@ static at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const a
                           int64_t group) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "llmsplit::int4_mm: x must be a contiguous float32 [m, in] tensor");
-    const bool half = check_weight(packed, scales, "llmsplit::int4_mm");
+    const int form = check_weight(packed, scales, group, x.size(1), "llmsplit::int4_mm");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded;
-    TORCH_CHECK(rows <= padded && cols == scales.size(0) * group && cols % x.size(1) == 0,
-                "llmsplit::int4_mm: the weight's packed shape does not match x, rows and group");
-    TORCH_CHECK(x.size(1) % QBLOCK == 0 && group % QBLOCK == 0 && padded % 64 == 0,
+    TORCH_CHECK(rows <= padded && cols % x.size(1) == 0,
+                "llmsplit::int4_mm: the weight's packed shape does not match x and rows");
+    TORCH_CHECK(x.size(1) % QBLOCK == 0 && group % QBLOCK == 0,
                 "llmsplit::int4_mm was called on a shape it has no code for");
     at::Tensor y = at::empty({x.size(0), rows}, x.options());
     const Args a = {x.data_ptr<float>(), packed.data_ptr<uint8_t>(),
                     reinterpret_cast<const uint16_t *>(scales.data_ptr()), y.data_ptr<float>(),
-                    x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads(), half};
+                    x.size(0), x.size(1), cols, rows, padded, group, at::get_num_threads(), form};
     TORCH_CHECK(int4_matmul(&a), "llmsplit::int4_mm could not allocate its quantized input");
     return y;
 }
@@ -227,19 +285,25 @@ static inline __m256i to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* Input k of weight block `blk` (64 rows) widened: the 64 values (q - offset) * scale + zero
- * in float32, 16 rows a register (rows 0-31 the low nibbles, 32-63 the high ones). */
-template <bool HALF> static inline void widen_column(const uint8_t *blk, int64_t k, const uint16_t *s, __m512 v[4]) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + k * 32));
-    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+/* Column k of weight block `blk` (64 rows) widened: the 64 values (q - offset) * scale + zero
+ * in float32, 16 rows a register (rows 0-31 the low nibbles, 32-63 the high ones), the group's
+ * numbers at `s` for the block's first row. Q8_D's (q + 128 - 128) d is exact in float32
+ * (q has 8 bits, d 11): widened, its weights are the file's. */
+template <int FORM>
+static inline void widen_column(const uint8_t *blk, int64_t k, int64_t in, const uint16_t *s, __m512 v[4]) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + k * 32)), low = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    if (FORM == Q8_D) { /* q + 128 = 16 hi + lo, the low nibbles' column `in` later */
+        const __m256i other = _mm256_loadu_si256((const __m256i *)(blk + (k + in) * 32));
+        lo = _mm256_or_si256(_mm256_slli_epi16(lo, 4), _mm256_and_si256(other, low));
+        hi = _mm256_or_si256(_mm256_slli_epi16(hi, 4), _mm256_and_si256(_mm256_srli_epi16(other, 4), low));
+    }
     const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
                              _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-    const __m512 offset = _mm512_set1_ps(HALF ? 0.0f : 8.0f);
     for (int q = 0; q < 4; q++) {
-        const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);
+        const GroupScales<FORM> gs(s + 16 * q * row_stride<FORM>());
         const __m512 nibble = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part[q]));
-        v[q] = _mm512_fmadd_ps(_mm512_sub_ps(nibble, offset), scale_of<HALF>(sz16), zero_of<HALF>(sz16));
+        v[q] = _mm512_fmadd_ps(_mm512_sub_ps(nibble, _mm512_set1_ps(gs.offset)), gs.scale, gs.zero);
     }
 }
 
@@ -247,7 +311,7 @@ template <bool HALF> static inline void widen_column(const uint8_t *blk, int64_t
  * `in` inputs k (`doubled`: GGUF Q8_0's two nibble matrices, input k the sum of columns k
  * and k + in). One pass over the nibbles and scales; its torch form took six (two nibble
  * splits, a shift, a transposing copy, an addcmul and a conversion), ~11% of a prefill step. */
-template <bool HALF>
+template <int FORM>
 static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int64_t padded, int64_t group,
                          int64_t b0, int64_t b1, bool doubled, uint16_t *out) {
     const int64_t in = doubled ? cols / 2 : cols, width = (b1 - b0) * 64, chunk = 64;
@@ -258,10 +322,10 @@ static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int
             const uint8_t *blk = w + b * cols * 32;
             for (int64_t k = c * chunk; k < in && k < (c + 1) * chunk; k++) {
                 __m512 v[4];
-                widen_column<HALF>(blk, k, sz + ((k / group) * padded + b * 64) * 2, v);
-                if (doubled) {
+                widen_column<FORM>(blk, k, in, group_scales_at<FORM>(sz, k, group, padded, b * 64), v);
+                if (doubled && FORM != Q8_D) { /* the two nibble matrices' weights add up */
                     __m512 u[4];
-                    widen_column<HALF>(blk, k + in, sz + (((k + in) / group) * padded + b * 64) * 2, u);
+                    widen_column<FORM>(blk, k + in, in, group_scales_at<FORM>(sz, k + in, group, padded, b * 64), u);
                     for (int q = 0; q < 4; q++)
                         v[q] = _mm512_add_ps(v[q], u[q]);
                 }
@@ -276,18 +340,18 @@ static void widen_blocks(const uint8_t *w, const uint16_t *sz, int64_t cols, int
  * [in, 64 (b1 - b0)]: what a prompt's bf16 GEMM multiplies (kernels._int4_tile). */
 static void int4_widen(const at::Tensor &packed, const at::Tensor &scales, int64_t group, int64_t b0, int64_t b1,
                        bool doubled, at::Tensor &out) {
-    const bool half = check_weight(packed, scales, "llmsplit::int4_widen");
     const int64_t padded = scales.size(1), cols = packed.numel() * 2 / padded, in = doubled ? cols / 2 : cols;
-    TORCH_CHECK(padded % 64 == 0 && cols == scales.size(0) * group && 0 <= b0 && b0 < b1 && b1 * 64 <= padded &&
-                    (!doubled || in % group == 0),
+    const int form = check_weight(packed, scales, group, in, "llmsplit::int4_widen");
+    TORCH_CHECK(0 <= b0 && b0 < b1 && b1 * 64 <= padded && (!doubled || in % group == 0) &&
+                    (doubled || form != Q8_D),
                 "llmsplit::int4_widen: the blocks or the weight's packed shape do not match");
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == in &&
                     out.size(1) == (b1 - b0) * 64,
                 "llmsplit::int4_widen: out must be a contiguous bfloat16 [in, 64 * blocks] tensor");
-    (half ? widen_blocks<true> : widen_blocks<false>)(packed.data_ptr<uint8_t>(),
-                                                      reinterpret_cast<const uint16_t *>(scales.data_ptr()), cols,
-                                                      padded, group, b0, b1, doubled,
-                                                      reinterpret_cast<uint16_t *>(out.data_ptr<at::BFloat16>()));
+    const uint8_t *w = packed.data_ptr<uint8_t>();
+    const uint16_t *sz = reinterpret_cast<const uint16_t *>(scales.data_ptr());
+    uint16_t *o = reinterpret_cast<uint16_t *>(out.data_ptr<at::BFloat16>());
+    with_form(form, [&](auto f) { widen_blocks<decltype(f)::value>(w, sz, cols, padded, group, b0, b1, doubled, o); });
 }
 
 /* Registered only where the CPU has the instructions: elsewhere the operators have no CPU

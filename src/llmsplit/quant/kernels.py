@@ -119,6 +119,10 @@ def pack_int4(g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
       float32 model's are: rounding the scale and zero to bfloat16 moved SmolLM2's mean NLL
       by -0.00115 (docs/quantization.md). Q4_K's sub-block products and scales computed at
       load are rounded to float16 (11 bits, where bfloat16 keeps 8).
+      GGUF Q8_0's two nibble matrices (`doubled`) keep the file's d alone, float16
+      [in / group, rows, 1]: the high nibbles' scale and min are 16 d and -128 d, the low ones'
+      d and 0, so two pairs a block would hold 40 bytes per 32 weights where the file has 34
+      (SmolLM2-135M's embedding and head: 5.3 MB more held and read for every token).
     - elsewhere: PyTorch's int4 kernel's bfloat16 (scale, zero), a weight (q - 8) * scale +
       zero; that kernel takes no float16 scales with bfloat16 inputs, and its float16 inputs
       run 50-120x slower (measured)."""
@@ -129,12 +133,28 @@ def pack_int4(g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + chunk].to(torch.int32), 1)
                         for i in range(0, rows + pad, chunk)])
     if native_int4_available():
+        d = _q8_0_d(g)
+        if d is not None:
+            return packed, _grouped(d[..., None], pad)
         sz = _grouped(torch.stack([g.scale, g.zero - 8 * g.scale], dim=-1), pad).to(torch.float16)
         if torch.isfinite(sz).all():
             return packed, sz
-        # Past float16's range (a Q8_0 block's 16 d or 128 d above 65504): PyTorch's form, which
-        # int4_matmul.cpp reads too.
+        # Past float16's range (a min -8 d below -65504, a Q4_0 block's d past 8188): PyTorch's
+        # form, which int4_matmul.cpp reads too.
     return packed, _grouped(torch.stack([g.scale, g.zero], dim=-1), pad).to(torch.bfloat16)
+
+
+def _q8_0_d(g: Groups) -> torch.Tensor | None:
+    """Q8_0's float16 d [rows, in / group] when g's two nibble halves are the split of one
+    int8 with that scale (hi: 16 d and zero 0, lo: d and zero 8 d, exactly), else None."""
+    if not g.doubled:
+        return None
+    half = g.scale.shape[1] // 2
+    d = g.scale[:, half:]
+    d16 = d.to(torch.float16)
+    exact = (torch.equal(d16.float(), d) and torch.equal(g.scale[:, :half], 16 * d)
+             and not g.zero[:, :half].any() and torch.equal(g.zero[:, half:], 8 * d))
+    return d16 if exact else None
 
 
 def _grouped(sz: torch.Tensor, pad: int) -> torch.Tensor:
@@ -143,7 +163,11 @@ def _grouped(sz: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _scale_and_zero(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (scale, zero) of either form of `pack_int4`: a weight (q - 8) * scale + zero."""
+    """float32 (scale, zero) [groups, rows] of any form of `pack_int4` ([groups', rows, 1 or 2]):
+    a weight (q - 8) * scale + zero."""
+    if sz.shape[-1] == 1:  # Q8_0's d: the high nibbles' groups, then the low ones'
+        d = sz[..., 0].float()
+        return torch.cat([16 * d, d]), torch.cat([torch.zeros_like(d), 8 * d])
     scale, other = sz[..., 0].float(), sz[..., 1].float()
     return scale, other + 8 * scale if sz.dtype == torch.float16 else other
 
@@ -173,8 +197,8 @@ def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, rows: int, group: int, d
         byte = packed.reshape(padded // b, cols, b // 2)[index // b, :, within % (b // 2)]
         q = torch.where((within >= b // 2)[:, None], byte >> 4, byte & 15)
         s = sz[:, index]
-    scale, zero = _scale_and_zero(s.transpose(0, 1))
-    return Groups(q, scale.contiguous(), zero.contiguous(), group, doubled)
+    scale, zero = _scale_and_zero(s)
+    return Groups(q, scale.t().contiguous(), zero.t().contiguous(), group, doubled)
 
 
 def int4_linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -257,7 +281,7 @@ def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
     if w.doubled:  # Q8_0: the int8 value is 16 (hi - 8) + lo, the scale the low half's d, exactly
         cols //= 2
         q = q[:, :cols].sub_(8).mul_(16).add_(q[:, cols:])
-        sz = sz[sz.shape[0] // 2:]
+        sz = sz if sz.shape[-1] == 1 else sz[sz.shape[0] // 2:]
     elif w.scales.dtype == torch.bfloat16:  # (q - 8) * scale + zero; float16's q * scale + min
         q.sub_(8)
     out = _workspace("bf16", cols * rows, torch.bfloat16).view(cols, rows)

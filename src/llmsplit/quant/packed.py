@@ -28,8 +28,8 @@ PACK_ROWS = 2048  # output rows packed at a time (a multiple of the kernel's row
 
 
 class PackedWeight(torch.Tensor):
-    """kind "int4": `packed` is the CPU kernel's layout, `scales` [groups, rows, 2] in one of
-    `kernels.pack_int4`'s two forms, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
+    """kind "int4": `packed` is the CPU kernel's layout, `scales` [groups, rows, 2] (or Q8_0's d,
+    [groups, rows, 1]) in one of `kernels.pack_int4`'s forms, `doubled` for Q8_0's two nibbles. kind "int8": `packed` int8 [out, in]
     and `scales` bf16 [out]. `rows` (start, stop, whole) makes it a view of rows [start, stop)
     of the `whole`-row weight whose `packed` and `scales` it shares (`base`)."""
 
@@ -81,7 +81,7 @@ class PackedWeight(torch.Tensor):
             return first
         padded = -(-rows // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
         packed = first.packed.new_empty((padded, first.packed.shape[1]))
-        scales = first.scales.new_empty((first.scales.shape[0], padded, 2))
+        scales = first.scales.new_empty((first.scales.shape[0], padded, first.scales.shape[2]))
         for start in range(0, rows, PACK_ROWS):
             part = first if start == 0 else cls.from_groups(groups_of(slice(start, min(rows, start + PACK_ROWS))))
             n = part.packed.shape[0]  # the last chunk's padded rows included
@@ -94,6 +94,12 @@ class PackedWeight(torch.Tensor):
 
     def __repr__(self):
         return f"PackedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group}, doubled={self.doubled})"
+
+    def form(self) -> tuple:
+        """What two weights must share for their rows to be concatenated packed: the kind, the
+        group, and the form of the scales (`kernels.pack_int4`: dtype, numbers a group)."""
+        numbers = self.scales.shape[-1] if self.kind == "int4" else 0
+        return self.kind, self.group, self.doubled, self.scales.dtype, numbers
 
     def _same(self) -> PackedWeight:
         return PackedWeight(self.kind, self.packed, self.scales, tuple(self.shape), self.group, self.doubled,
@@ -164,9 +170,7 @@ def _cat(tensors, dim=0):
     at load. Weights of mixed kinds (a GGUF that stores v in another type) are widened."""
     tensors = list(tensors)
     first = tensors[0]
-    same = all(isinstance(t, PackedWeight) and t.base is None and t.kind == first.kind
-               and (t.group, t.doubled, t.scales.dtype) == (first.group, first.doubled, first.scales.dtype)
-               for t in tensors)
+    same = all(isinstance(t, PackedWeight) and t.base is None and t.form() == first.form() for t in tensors)
     if dim != 0 or not same:
         return torch.cat([t.dequantize() if isinstance(t, PackedWeight) else t for t in tensors], dim)
     if first.kind == "int8":

@@ -25,15 +25,17 @@ def kind_for(name: str, mode: str) -> str:
     return mode
 
 
-def packed_nbytes(shape: tuple[int, int], kind: str) -> int:
+def packed_nbytes(shape: tuple[int, int], kind: str, native: bool = True) -> int:
     """Bytes a weight [out, in] takes packed as `kind`: "int4" (groups of 32, a 16-bit scale and
-    zero or min each), "q8_0" (two nibble matrices), "int8" (one bf16 scale a row); rows padded as
-    the int4 layout pads them."""
+    zero or min each), "q8_0" (two nibble matrices: the file's float16 d a block where
+    int4_matmul.cpp runs, `native`, else a scale and zero for each nibble matrix's group),
+    "int8" (one bf16 scale a row); rows padded as the int4 layout pads them."""
     n, k = shape
     rows = -(-n // ROW_ALIGN) * ROW_ALIGN
     if kind == "int8":
         return n * k + 2 * n
-    k = 2 * k if kind == "q8_0" else k
+    if kind == "q8_0":
+        return rows * k + rows * (k // INT4_GROUP) * (2 if native else 8)
     return rows * k // 2 + rows * (k // INT4_GROUP) * 4
 
 
