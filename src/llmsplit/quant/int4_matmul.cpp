@@ -62,6 +62,18 @@ enum Form { ZERO_BF16 = 0, MIN_F16 = 1, Q8_D = 2 };
  * 512 read a cold SmolLM2 head at 14.5 GB/s against 11.1 at 2048 and ~9 without (one thread). */
 #define PREFETCH 512
 
+/* The scales (low half) or zeros / mins (high half) of 16 rows: one 32-bit lane of sz each. */
+template <bool HALF> static inline __m512 scale_of(__m512i sz16) {
+    if (HALF)
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sz16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
+}
+template <bool HALF> static inline __m512 zero_of(__m512i sz16) {
+    if (HALF)
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sz16, 16)));
+    return _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* uint16 numbers a row in sz: a (scale, zero or min) pair, or Q8_0's d. */
 template <int FORM> static constexpr int row_stride() { return FORM == Q8_D ? 1 : 2; }
 
@@ -80,13 +92,8 @@ template <int FORM> struct GroupScales {
             return;
         }
         const __m512i sz16 = _mm512_loadu_si512(s);
-        if (FORM == MIN_F16) {
-            scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sz16));
-            zero = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sz16, 16)));
-        } else {
-            scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
-            zero = _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32((int)0xFFFF0000u)));
-        }
+        scale = scale_of<FORM == MIN_F16>(sz16);
+        zero = zero_of<FORM == MIN_F16>(sz16);
         offset = FORM == ZERO_BF16 ? 8.0f : 0.0f;
     }
 };
@@ -108,72 +115,127 @@ static inline const uint16_t *group_scales_at(const uint16_t *sz, int64_t k, int
     return sz + ((k / group) * padded + r0) * row_stride<FORM>();
 }
 
+/* Inputs k and k + 1 (the 64 bytes at `col`) of a 64-row block: `lo` rows 0-31's nibbles, `hi`
+ * rows 32-63's, one byte each. Q8_D joins them with the low nibbles' matrix `in` columns later
+ * into q + 128 = 16 hi + lo. Its own function: written inline in block_row, the Q8_D lines
+ * (dead code for the other forms) left their loop 10% slower, measured. */
+template <int FORM>
+static inline void nibbles(const uint8_t *col, int64_t in, __m512i low, __m512i &lo, __m512i &hi) {
+    const __m512i ab = _mm512_loadu_si512(col);
+    _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
+    lo = _mm512_and_si512(ab, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
+}
+template <>
+inline void nibbles<Q8_D>(const uint8_t *col, int64_t in, __m512i low, __m512i &lo, __m512i &hi) {
+    const __m512i ab = _mm512_loadu_si512(col), cd = _mm512_loadu_si512(col + in * 32);
+    _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(col + in * 32 + PREFETCH), _MM_HINT_T0);
+    lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(ab, low), 4), _mm512_and_si512(cd, low));
+    hi = _mm512_or_si512(_mm512_andnot_si512(low, ab), _mm512_and_si512(_mm512_srli_epi16(cd, 4), low));
+}
+
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
- * stack: 1.6x slower); a second row of x re-reads the block from cache. */
-template <int FORM>
-static void block_row(const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs,
-                      int64_t in, int64_t cols, int64_t group, const uint8_t *__restrict__ blk,
-                      const uint16_t *__restrict__ sz, int64_t r0, int64_t padded, float *__restrict__ out) {
-    /* Bytes 4i and 4i + 2 of quarter h are inputs k and k + 1 of row 16h + i (within the low
-     * or high nibbles), bytes 4i + 1 and 4i + 3 zero: a lane is two int16 for vpdpwssd. */
-    __m512i idx[2];
-    for (int h = 0; h < 2; h++) {
-        uint8_t v[64] = {0};
-        for (int i = 0; i < 16; i++) {
-            v[4 * i + 0] = (uint8_t)(16 * h + i);
-            v[4 * i + 2] = (uint8_t)(32 + 16 * h + i);
-        }
-        idx[h] = _mm512_loadu_si512(v);
-    }
-    const __mmask64 even = 0x5555555555555555ull;
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t g0 = 0; g0 < (FORM == Q8_D ? in : cols); g0 += group) {
-        __m512 dot0 = _mm512_setzero_ps(), dot1 = dot0, dot2 = dot0, dot3 = dot0;
-        for (int64_t b0 = g0; b0 < g0 + group; b0 += QBLOCK) {
-            __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-            const int16_t *xb = xq + b0 % in; /* Q8_0's second half reads x again */
-            for (int64_t k = 0; k < QBLOCK; k += 2) {
-                const uint8_t *col = blk + (b0 + k) * 32;
-                const __m512i ab = _mm512_loadu_si512(col);
-                _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
-                __m512i lo = _mm512_and_si512(ab, low), hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
-                if (FORM == Q8_D) { /* joined byte by byte with the low nibbles' column: 16 hi + lo */
-                    const __m512i cd = _mm512_loadu_si512(col + in * 32);
-                    _mm_prefetch((const char *)(col + in * 32 + PREFETCH), _MM_HINT_T0);
-                    lo = _mm512_or_si512(_mm512_slli_epi16(lo, 4), _mm512_and_si512(cd, low));
-                    hi = _mm512_or_si512(_mm512_andnot_si512(low, ab), _mm512_and_si512(_mm512_srli_epi16(cd, 4), low));
-                }
-                int32_t two;
-                memcpy(&two, xb + k, 4);
-                const __m512i xv = _mm512_set1_epi32(two);
-                s0 = _mm512_dpwssd_epi32(s0, _mm512_maskz_permutexvar_epi8(even, idx[0], lo), xv);
-                s1 = _mm512_dpwssd_epi32(s1, _mm512_maskz_permutexvar_epi8(even, idx[1], lo), xv);
-                s2 = _mm512_dpwssd_epi32(s2, _mm512_maskz_permutexvar_epi8(even, idx[0], hi), xv);
-                s3 = _mm512_dpwssd_epi32(s3, _mm512_maskz_permutexvar_epi8(even, idx[1], hi), xv);
-            }
-            const __m512 d = _mm512_set1_ps(xd[(b0 % in) / QBLOCK]);
-            dot0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, dot0);
-            dot1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), d, dot1);
-            dot2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), d, dot2);
-            dot3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s3), d, dot3);
-        }
-        const __m512 xsum = _mm512_set1_ps(xs[g0 / group]);
-        const uint16_t *s = group_scales_at<FORM>(sz, g0, group, padded, r0);
-#define APPLY(q, dot, acc)                                                                             \
-        {                                                                                              \
-            const GroupScales<FORM> gs(s + 16 * q * row_stride<FORM>());                               \
-            acc = _mm512_fmadd_ps(gs.scale, _mm512_fnmadd_ps(_mm512_set1_ps(gs.offset), xsum, dot),    \
-                                  _mm512_fmadd_ps(gs.zero, xsum, acc));                                \
-        }
-        APPLY(0, dot0, acc0) APPLY(1, dot1, acc1) APPLY(2, dot2, acc2) APPLY(3, dot3, acc3)
-#undef APPLY
-    }
-    _mm512_storeu_ps(out, acc0);
-    _mm512_storeu_ps(out + 16, acc1);
-    _mm512_storeu_ps(out + 32, acc2);
+ * stack: 1.6x slower); a second row of x re-reads the block from cache.
+ *
+ * One text, BLOCK_ROW, for the int4 forms' function and Q8_D's, which differ in three steps
+ * named by macros: NIBBLES gives `lo` and `hi` (rows 0-31 and 32-63) for inputs b0 + k and
+ * b0 + k + 1, GROUP the group's numbers at `s`, APPLY(q, dot, acc) adds quarter q's group sum.
+ * Not a template with the Q8_D lines as dead code: GCC 12 left the int4 forms' loop 15-25%
+ * slower that way (SmolLM2's one-row layer matmuls, measured). Each function is aligned to 64
+ * bytes, so is its inner loop (at +0x100): 16 bytes off a 64-byte line, the same loop was
+ * 5-10% slower (measured). */
+#define BLOCK_ROW(LAST_COLUMN, NIBBLES, GROUP, APPLY)                                                \
+    /* Bytes 4i and 4i + 2 of quarter h are inputs k and k + 1 of row 16h + i (within the low      \
+     * or high nibbles), bytes 4i + 1 and 4i + 3 zero: a lane is two int16 for vpdpwssd. */         \
+    __m512i idx[2];                                                                                \
+    for (int h = 0; h < 2; h++) {                                                                  \
+        uint8_t v[64] = {0};                                                                       \
+        for (int i = 0; i < 16; i++) {                                                             \
+            v[4 * i + 0] = (uint8_t)(16 * h + i);                                                  \
+            v[4 * i + 2] = (uint8_t)(32 + 16 * h + i);                                             \
+        }                                                                                          \
+        idx[h] = _mm512_loadu_si512(v);                                                            \
+    }                                                                                              \
+    const __mmask64 even = 0x5555555555555555ull;                                                  \
+    const __m512i low = _mm512_set1_epi8(15);                                                      \
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;                      \
+    for (int64_t g0 = 0; g0 < LAST_COLUMN; g0 += group) {                                          \
+        __m512 dot0 = _mm512_setzero_ps(), dot1 = dot0, dot2 = dot0, dot3 = dot0;                  \
+        for (int64_t b0 = g0; b0 < g0 + group; b0 += QBLOCK) {                                     \
+            __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;                        \
+            const int16_t *xb = xq + b0 % in; /* Q8_0's second half reads x again */               \
+            for (int64_t k = 0; k < QBLOCK; k += 2) {                                              \
+                NIBBLES()                                                                          \
+                int32_t two;                                                                       \
+                memcpy(&two, xb + k, 4);                                                           \
+                const __m512i xv = _mm512_set1_epi32(two);                                         \
+                s0 = _mm512_dpwssd_epi32(s0, _mm512_maskz_permutexvar_epi8(even, idx[0], lo), xv); \
+                s1 = _mm512_dpwssd_epi32(s1, _mm512_maskz_permutexvar_epi8(even, idx[1], lo), xv); \
+                s2 = _mm512_dpwssd_epi32(s2, _mm512_maskz_permutexvar_epi8(even, idx[0], hi), xv); \
+                s3 = _mm512_dpwssd_epi32(s3, _mm512_maskz_permutexvar_epi8(even, idx[1], hi), xv); \
+            }                                                                                      \
+            const __m512 d = _mm512_set1_ps(xd[(b0 % in) / QBLOCK]);                               \
+            dot0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, dot0);                               \
+            dot1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), d, dot1);                               \
+            dot2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), d, dot2);                               \
+            dot3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s3), d, dot3);                               \
+        }                                                                                          \
+        GROUP()                                                                                    \
+        APPLY(0, dot0, acc0) APPLY(1, dot1, acc1) APPLY(2, dot2, acc2) APPLY(3, dot3, acc3)        \
+    }                                                                                              \
+    _mm512_storeu_ps(out, acc0);                                                                   \
+    _mm512_storeu_ps(out + 16, acc1);                                                              \
+    _mm512_storeu_ps(out + 32, acc2);                                                              \
     _mm512_storeu_ps(out + 48, acc3);
+
+/* The int4 forms: a byte holds rows j and j + 32's nibbles. */
+#define INT4_NIBBLES()                                                                             \
+    const __m512i ab = _mm512_loadu_si512(blk + (b0 + k) * 32);                                    \
+    _mm_prefetch((const char *)(blk + (b0 + k) * 32 + PREFETCH), _MM_HINT_T0);                     \
+    const __m512i lo = _mm512_and_si512(ab, low), hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
+/* scale, zero (or min) of 16 rows: one 32-bit lane each, the scale low, the other high */
+#define INT4_GROUP()                                                                               \
+    const uint16_t *s = sz + (g0 / group) * padded * 2;                                            \
+    const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), offset = _mm512_set1_ps(HALF ? 0.0f : 8.0f);
+#define INT4_APPLY(q, dot, acc)                                                                    \
+    {                                                                                              \
+        const __m512i sz16 = _mm512_loadu_si512(s + 32 * q);                                       \
+        acc = _mm512_fmadd_ps(scale_of<HALF>(sz16), _mm512_fnmadd_ps(offset, xsum, dot),           \
+                              _mm512_fmadd_ps(zero_of<HALF>(sz16), xsum, acc));                    \
+    }
+
+/* The parameters of both: x's row quantized (xq, xd) and its group sums (xs), the block, its
+ * group numbers (sz, at the block's first row), the output. */
+#define BLOCK_ROW_PARAMETERS                                                                       \
+    const int16_t *__restrict__ xq, const float *__restrict__ xd, const float *__restrict__ xs, int64_t in,  \
+        int64_t cols, int64_t group, const uint8_t *__restrict__ blk, const uint16_t *__restrict__ sz,       \
+        int64_t padded, float *__restrict__ out
+
+template <bool HALF> __attribute__((aligned(64))) static void block_row(BLOCK_ROW_PARAMETERS) {
+    BLOCK_ROW(cols, INT4_NIBBLES, INT4_GROUP, INT4_APPLY)
+}
+
+/* Q8_D: column k's high nibbles joined byte by byte with column k + in's low ones, 16 hi + lo =
+ * q + 128, so one vpdpwssd takes both; a weight is (q + 128 - 128) d. */
+#define Q8_NIBBLES()                                                                               \
+    const __m512i ab = _mm512_loadu_si512(blk + (b0 + k) * 32);                                    \
+    const __m512i cd = _mm512_loadu_si512(blk + (b0 + k + in) * 32);                               \
+    _mm_prefetch((const char *)(blk + (b0 + k) * 32 + PREFETCH), _MM_HINT_T0);                     \
+    _mm_prefetch((const char *)(blk + (b0 + k + in) * 32 + PREFETCH), _MM_HINT_T0);                \
+    const __m512i lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(ab, low), 4), _mm512_and_si512(cd, low)); \
+    const __m512i hi = _mm512_or_si512(_mm512_andnot_si512(low, ab), _mm512_and_si512(_mm512_srli_epi16(cd, 4), low));
+/* d of 16 rows: one float16 each */
+#define Q8_GROUP()                                                                                 \
+    const uint16_t *s = sz + (g0 / group) * padded;                                                \
+    const __m512 xsum = _mm512_set1_ps(xs[g0 / group]), offset = _mm512_set1_ps(128.0f);
+#define Q8_APPLY(q, dot, acc)                                                                      \
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16 * q))),     \
+                          _mm512_fnmadd_ps(offset, xsum, dot), acc);
+
+__attribute__((aligned(64))) static void block_row_q8(BLOCK_ROW_PARAMETERS) {
+    BLOCK_ROW(in, Q8_NIBBLES, Q8_GROUP, Q8_APPLY)
 }
 
 /* x quantized to int16 blocks of 32 (xq, scales xd) and its sums per weight group (xs), one
@@ -223,15 +285,17 @@ static bool int4_matmul(const Args *a) {
     }
     quantize_x(a->x, m, in, cols, group, xq, xd, xs, xs + m * (cols / group));
     const int64_t blocks = a->padded / 64;
-    decltype(&block_row<Q8_D>) row_of_block = nullptr;
-    with_form(a->form, [&](auto form) { row_of_block = &block_row<decltype(form)::value>; });
+    decltype(&block_row_q8) row_of_block = a->form == Q8_D    ? block_row_q8
+                                            : a->form == MIN_F16 ? block_row<true>
+                                                                 : block_row<false>;
+    const int64_t numbers = a->form == Q8_D ? 1 : 2; /* uint16 a row in a group's scales */
 #pragma omp parallel for num_threads((int)a->threads) schedule(static) collapse(2)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t t = 0; t < m; t++) {
             float out[64];
             const int64_t r0 = b * 64, n = rows - r0 < 64 ? rows - r0 : 64;
             row_of_block(xq + t * in, xd + t * (in / QBLOCK), xs + t * (cols / group), in, cols, group,
-                         a->w + b * cols * 32, a->sz, r0, a->padded, out);
+                         a->w + b * cols * 32, a->sz + r0 * numbers, a->padded, out);
             memcpy(a->y + t * rows + r0, out, sizeof(float) * (size_t)n);
         }
     free(xq), free(xd), free(xs);
