@@ -38,6 +38,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-
 
 _lock = threading.Lock()
 _built: dict[Path, Path | None] = {}  # source -> its loaded library (None: not built)
+_constants: list[Callable[[], bool]] = []  # every process_constant, for constants_for_compile
 
 
 def cache_dir() -> Path:
@@ -126,12 +127,14 @@ def torch_ops(source: Path, switch: str, fallback: str) -> bool:
 
 def process_constant(ask: Callable[[], bool]) -> Callable[[], bool]:
     """`ask()` answered once a process (its `cache_clear` asks again: tests), and a constant to
-    torch.compile, so that a compiled step calls it instead of breaking its graph there. A dict
-    rather than functools.cache: dynamo traces through a cache wrapper into the function (and
-    warns), where it takes an `assume_constant_result` function's answer as it is."""
+    torch.compile once `constants_for_compile` has run, so that a compiled step calls it instead
+    of breaking its graph there. A dict rather than functools.cache: dynamo traces through a
+    cache wrapper into the function (and warns), where it takes an `assume_constant_result`
+    function's answer as it is. Not marked here: `torch.compiler.assume_constant_result` imports
+    torch._dynamo and sympy (1.3 s and 74 MiB of RSS a process on 2 cores), which an eager
+    generate or serve never needs."""
     answers: dict[str, bool] = {}
 
-    @torch.compiler.assume_constant_result
     @functools.wraps(ask)
     def answer() -> bool:
         if "answer" not in answers:
@@ -139,7 +142,14 @@ def process_constant(ask: Callable[[], bool]) -> Callable[[], bool]:
         return answers["answer"]
 
     answer.cache_clear = answers.clear
+    _constants.append(answer)
     return answer
+
+
+def constants_for_compile() -> None:
+    """Mark every `process_constant` for torch.compile: called before a graph is compiled."""
+    for answer in _constants:
+        torch.compiler.assume_constant_result(answer)
 
 
 def forget(source: Path) -> None:

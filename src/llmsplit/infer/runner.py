@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .. import native
 from ..config import ConfigError
 from ..io.weights import read_weight
 from ..models.llama import Transformer
@@ -122,30 +123,41 @@ def _rows_follow_the_batch(compiled):
     return decode
 
 
+def _meta_model(cfg, spec: PieceSpec, owned: set[int]) -> Transformer:
+    """This piece's modules on the meta device: its layers and ends only, split over the vocabulary
+    under tensor parallelism, the head untied (re-tied where both ends land together)."""
+    dmap = spec.placement.device_map
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for i in range(cfg.n_layers):
+        if i not in owned:
+            del model.layers[str(i)]
+    for unit in ("tok_embeddings", "norm", "output"):
+        if unit not in dmap:
+            setattr(model, unit, None)
+    if spec.tp_size > 1:  # split over the vocabulary, not replicated
+        args = (spec.tp_rank, spec.tp_size, spec.tp_group)
+        with torch.device("meta"):
+            if model.tok_embeddings is not None:
+                model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, *args)
+            if model.output is not None:
+                model.output = VocabParallelHead(cfg.dim, cfg.vocab_size, *args)
+    if model.output is not None and model.tok_embeddings is not None:
+        # Untie (Runner re-ties them where both ends land together). Not empty_like: on the meta
+        # device that is PyTorch's Python kernel, which imports sympy.
+        w = model.output.weight
+        model.output.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device))
+    return model
+
+
 class Runner:
     def __init__(self, source, spec: PieceSpec):
         cfg = replace(source.config, max_seq_len=spec.max_context)
         self.cfg, self.spec = cfg, spec
         dmap = spec.placement.device_map
         exec_device = torch.device(spec.placement.exec_device)
-        with torch.device("meta"):
-            model = Transformer(cfg)
         owned = set(spec.layers or range(cfg.n_layers))
-        for i in range(cfg.n_layers):
-            if i not in owned:
-                del model.layers[str(i)]
-        for unit in ("tok_embeddings", "norm", "output"):
-            if unit not in dmap:
-                setattr(model, unit, None)
-        if spec.tp_size > 1:  # split over the vocabulary, not replicated
-            args = (spec.tp_rank, spec.tp_size, spec.tp_group)
-            with torch.device("meta"):
-                if model.tok_embeddings is not None:
-                    model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, *args)
-                if model.output is not None:
-                    model.output = VocabParallelHead(cfg.dim, cfg.vocab_size, *args)
-        if model.output is not None and model.tok_embeddings is not None:
-            model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))  # untie; re-tied below
+        model = _meta_model(cfg, spec, owned)
         self.offloader = None
         self.devices: dict[str, torch.device] = {}  # unit -> device it computes on
         offloaded = {u for u, d in dmap.items() if d in ("cpu", "disk") and d != exec_device.type}
@@ -280,6 +292,7 @@ class Runner:
             options["cpp_wrapper"] = True
         # Its own graphs: with the module guards skipped, a graph compiled for another model of
         # the same code (one loaded packed, this one float) would otherwise run on this one.
+        native.constants_for_compile()
         return torch.compile(self.model.forward, dynamic=True, options=options, isolate_recompiles=True)
 
     def _read(self, source, name: str, packed: bool) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention import Attention, RMSNorm
 from .moe import MoE
-from .rope import dynamic_rope_limit, model_rope_tables, rope_for_heads, rope_tables
+from .rope import dynamic_rope_limit, model_rope_tables, rope_for_heads, rope_table_placeholders, rope_tables
 
 
 @dataclass
@@ -178,13 +178,19 @@ class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # On the meta device (how every layout builds it) nothing is drawn: init_weights or a
+        # loader fills the weights and tables. nn.Embedding's own normal_ and the tables' arange
+        # have no C++ meta kernels there; PyTorch's Python ones import torch._dynamo and sympy
+        # (1.3 s and 74 MiB a process, which an eager generate never needs otherwise).
+        on_meta = torch.get_default_device().type == "meta"
+        weight = torch.empty(cfg.vocab_size, cfg.dim) if on_meta else None
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = model_rope_tables(cfg, cfg.max_seq_len)
+        cos, sin = rope_table_placeholders(cfg, cfg.max_seq_len) if on_meta else model_rope_tables(cfg, cfg.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -87,6 +87,13 @@ def model_rope_tables(cfg, length: int, device=None) -> tuple[torch.Tensor, torc
     return torch.cat([cos, local_cos], dim=-1), torch.cat([sin, local_sin], dim=-1)
 
 
+def rope_table_placeholders(cfg, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised tensors of `model_rope_tables`' shapes, on the default device: what a model
+    built on the meta device holds until its weights are loaded."""
+    width = cfg.head_dim * (1 if cfg.rope_local_theta is None else 2)
+    return torch.empty(length, width), torch.empty(length, width)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
