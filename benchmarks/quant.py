@@ -94,12 +94,11 @@ def quality(path: str, n_tokens: int) -> dict:
 
 # VmHWM/VmRSS of the process image, read after the imports and after the load in one process
 # (1 sequence of 256 tokens: the KV cache stays small). getrusage's ru_maxrss gave the same
-# number for every run here. torch._dynamo (and sympy) count as imports: torch imports them
-# itself the first time a module is built on the meta device (nn.Embedding's init), ~70 MiB of
-# library code whatever the model.
+# number for every run here. A load imports neither torch._dynamo nor sympy (~70 MiB of library
+# code; tests/test_infer_cli.py checks), so they are not imported here either.
 _RSS = """
 import sys, llmsplit, torch, gguf, tokenizers, numpy
-import torch._dynamo, llmsplit.infer.api, llmsplit.io.gguf, llmsplit.quant
+import llmsplit.infer.api, llmsplit.io.gguf, llmsplit.quant
 from llmsplit.io.weights import open_weights
 def status(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
