@@ -11,7 +11,8 @@ is its own); medians. Rows, greedy, EOS ignored:
   16; ours: 16 prompts generated together, minus their prefill);
 - peak RSS of the process (llama.cpp: the benchmark tool's; ours: the Python process's,
   torch included, at llama-bench's context: one sequence of 640 tokens), and our fp32 path's
-  decode for the ratio the issue asks (≥ 3×).
+  decode for the ratio the issue asks (≥ 3×); with `--compile`, the packed path's decode and peak
+  RSS without it too (no dynamo/inductor in that process).
 The llama.cpp binaries: ~/.cache/llmsplit-peers/llama_cpp_python-0.3.36/build/bin (built from
 the llama-cpp-python sdist, /work/shared/REFERENCES.md); a missing tool is reported, not built.
 llama.cpp runs with `--repack 0`: its AMX repacking (the default on this AMX CPU) segfaults in
@@ -115,12 +116,16 @@ def main(argv=None) -> int:
                         "(a machine whose other tenants hold the cores)")
     a = p.parse_args(argv)
     results: dict[str, list[dict]] = {"llama.cpp": [], "llmsplit": [], "llmsplit fp32": []}
+    if a.compile:  # the packed path without torch.compile too: its decode, and its RSS without dynamo/inductor
+        results["llmsplit eager"] = []
     loads = []
     for r in range(a.rounds):
         order = list(results) if r % 2 == 0 else list(reversed(results))
         for name in order:
             if name == "llama.cpp":
                 results[name].append(llama_cpp(a.gguf, a.threads))
+            elif name == "llmsplit eager":
+                results[name].append(ours(a.gguf, a.threads, "default", "decode", False, a.omp_passive))
             else:
                 fp32 = name.endswith("fp32")
                 r = ours(a.gguf, a.threads, "none" if fp32 else "default", "decode" if fp32 else "decode,prompt",
@@ -149,6 +154,11 @@ def main(argv=None) -> int:
     fp = med["llmsplit fp32"]["decode"]
     lines += ["", f"llmsplit fp32 path decode: {fp:.1f} tokens/s; packed / fp32 = {us['decode'] / fp:.2f} (bar ≥ 3×).",
               f"Load average during the rounds: {min(loads):.1f}–{max(loads):.1f}."]
+    if "llmsplit eager" in med:
+        eager = med["llmsplit eager"]
+        lines.insert(-1, f"llmsplit packed without --compile: decode {eager['decode']:.1f} tokens/s "
+                         f"({eager['decode'] / lc['decode']:.2f}× llama.cpp), peak RSS {eager['rss_mib']:.1f} MiB "
+                         f"({eager['rss_mib'] / lc['rss_mib']:.2f}× llama.cpp).")
     print("\n".join(lines))
     return 0
 
