@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.data.corpus import builtin_documents, load_tokens
 from llmsplit.data.loader import BatchSampler
 from llmsplit.io.token_file import read_token_file

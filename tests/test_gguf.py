@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from hf_models import MOE, hf_model, make_hf_folder, merge_peft_adapter  # noqa: E402
-from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.io.gguf import GGUFWeights, permute_for_gguf, to_gguf_name  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
 from llmsplit.models.llama import Transformer  # noqa: E402

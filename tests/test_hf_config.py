@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import run_cli
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.models.hf_config import UnsupportedHFConfig, config_from_hf, config_to_hf
 from llmsplit.models.llama import LlamaConfig
 

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from hf_models import hf_model, make_hf_folder  # noqa: E402
-from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 from llmsplit.io.hf import HFWeights, from_hf_name, to_hf_name  # noqa: E402
 

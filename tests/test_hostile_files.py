@@ -21,7 +21,7 @@ import torch
 
 import llmsplit
 from llmsplit.cli import main
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.io.hf import to_hf_name
 from llmsplit.models.llama import LlamaConfig, Transformer
 

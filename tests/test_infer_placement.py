@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.infer.placement import (PlacementError, Sizes, kv_bytes_per_layer, parse_max_memory, parse_size,
                                       place, units)
 from llmsplit.models.llama import LlamaConfig

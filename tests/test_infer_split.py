@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
-from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [12, 8], [200, 201, 202, 203, 204], [77]]

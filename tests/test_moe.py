@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.layout import Layout, check
 from llmsplit.models.llama import LlamaConfig
 from llmsplit.models.moe import MoE

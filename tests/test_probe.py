@@ -5,7 +5,7 @@ import json
 import pytest
 
 import llmsplit
-from llmsplit.config import ConfigError
+from llmsplit.errors import ConfigError
 from llmsplit.diagnose import probe
 from llmsplit.plan.hardware import get_device
 

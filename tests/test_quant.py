@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
-from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.io.gguf import GGUFWeights  # noqa: E402
 from llmsplit.quant import PackedWeight, from_gguf_blocks, held_bytes, kernels, pack_groups, quantize  # noqa: E402
 from test_gguf import write_gguf  # noqa: E402

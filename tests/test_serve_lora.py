@@ -159,7 +159,7 @@ def test_lora_flags_are_checked(runs, tmp_path):
 def test_a_node_started_with_other_adapters_than_node_0_is_refused(monkeypatch):
     """Every rank of a --tp/--pp split compares its --lora with node 0's, before loading anything."""
     import llmsplit.infer.distributed as split
-    from llmsplit.config import ConfigError
+    from llmsplit.errors import ConfigError
     from llmsplit.layout import Layout
 
     def node_0_serves(box, src):

@@ -12,7 +12,7 @@ pytest.importorskip("jinja2")
 
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
-from llmsplit.config import ConfigError  # noqa: E402
+from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
 from llmsplit.infer import kv_cache, paged_attention  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 
 from .allocator import reuse_freed_memory
 from .cli_args import build_parser
-from .config import ConfigError
+from .errors import ConfigError
 from .launch import LaunchError
 
 

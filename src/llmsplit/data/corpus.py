@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io.token_file import read_token_file
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 IGNORE = -100  # the target of a token that carries no loss (F.cross_entropy's ignore_index)
 

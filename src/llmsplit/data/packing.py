@@ -22,7 +22,7 @@ import heapq
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .chat import Documents
 from .loader import IGNORE, Batch, BatchSampler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io.token_file import write_token_file
 from .chat import encode_chat_files
 from .corpus import encode_with_offsets, expand_glob, read_documents

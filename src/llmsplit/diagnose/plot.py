@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 def _read_run(run_dir: Path) -> tuple[list[dict], dict | None]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..launch import Nodes
 from .distributed import SplitRunner, follow_node, split_layout, split_spec

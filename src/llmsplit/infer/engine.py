@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .grammar import Grammar, mask_logits
 from .kv_cache import BlockPool, PackedStep
 

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io.procfs import proc_bytes
 from ..models.llama import LlamaConfig
 from .cpu_experts import cpu_expert_layers

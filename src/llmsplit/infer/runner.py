@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import native
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io.weights import read_weight
 from ..models.llama import Transformer
 from ..models.rope import model_rope_tables

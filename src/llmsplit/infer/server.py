@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
 from .edge import Gate, TimedH11Protocol, bind
 from .engine import SamplingParams

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import shape_mismatch, structure_problem
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, eos_ids_from_hf, read_hf_config
 from ..models.hf_names import expert_part, from_hf_name, fused_parts, norm_offset, to_hf_name, weight_files
 from ..models.llama import LlamaConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, config_to_hf
 from ..models.hf_names import expert_names, norm_offset
 from .hf import to_hf_name

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ..adapters.lora import TARGETS
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models.hf_names import FUSED
 from ..models.weight_shapes import parameter_shapes
 from .hf import to_hf_name

@@ -15,7 +15,8 @@ import re
 import sys
 from pathlib import Path
 
-from ..config import Config, ConfigError, load_config
+from ..config import Config, load_config
+from ..errors import ConfigError
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"

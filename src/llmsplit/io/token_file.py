@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 MAGIC = b"LLMSTOK1"
 VERSION = 2

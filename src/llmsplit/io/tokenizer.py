@@ -15,7 +15,7 @@ import shutil
 from functools import cached_property
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 # Names that mark the end of a document in the common Llama-family vocabularies.
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<eos>")

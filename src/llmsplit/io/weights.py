@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, model_config
+from ..config import model_config
+from ..errors import ConfigError
 from ..models.weight_shapes import parameter_shapes, shape_mismatch
 from .run_dir import CONFIG_FILE, is_complete_checkpoint, read_run_config, resolve_checkpoint, run_tokenizer
 

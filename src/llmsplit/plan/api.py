@@ -8,8 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config_lora import check_lora
-from ..config import (Config, ConfigError, layout_of, load_config, model_config, record_model_sizes, to_toml,
+from ..config import (Config, layout_of, load_config, model_config, record_model_sizes, to_toml,
                       workload_of)
+from ..errors import ConfigError
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..adapters.lora import is_adapter
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..io import dcp_files
 from ..io.checksums import file_records
 from ..io.disk_full import writing

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..adapters.lora import is_adapter
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models.llama import plain_name
 
 
