@@ -10,9 +10,8 @@ pytest.importorskip("transformers")
 import llmsplit  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
 from llmsplit.cli import main  # noqa: E402
-from llmsplit.infer.runner import tp_shard  # noqa: E402
 from llmsplit.io.weights import open_weights, read_weight  # noqa: E402
-from llmsplit.layout import Layout  # noqa: E402
+from llmsplit.layout import Layout, tp_shard  # noqa: E402
 from llmsplit.plan.memory import layer_params, stage_params  # noqa: E402
 from llmsplit.plan.states import inference_weight_bytes  # noqa: E402
 from llmsplit.quant import PackedWeight, held_bytes  # noqa: E402
@@ -110,9 +109,10 @@ def test_bad_quantize_exits_2_with_one_sentence(argv, needle, capsys):
 
 def test_a_tp_split_that_cuts_groups_is_named():
     from llmsplit.models.presets import preset_config
-    from llmsplit.plan.states import packed_split_problem
+    from llmsplit.layout import packed_split_problem
 
     cfg = preset_config("tiny-moe")  # 4 heads of 32: 128 q inputs, 16 a shard at tp=8
     assert packed_split_problem(cfg, 4, "int4") is None and packed_split_problem(cfg, 8, "int8") is None
-    assert "attention.wo has 16 inputs per shard of tp=8; use --quantize int8 or a smaller tp" in \
-        packed_split_problem(cfg, 8, "int4")
+    assert packed_split_problem(cfg, 8, "int4") == (
+        "--quantize int4 under --tp 8 splits attention.wo's 128 inputs into 16 per rank, not whole groups of 32; "
+        "use --tp in 1, 2 or --quantize int8")

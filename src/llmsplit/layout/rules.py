@@ -15,6 +15,11 @@ from ..errors import ConfigError
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import structure_problem
 from .spec import CHECKPOINTING, MODES, OFFLOADS, SCHEDULES, V_SCHEDULES, Layout, Workload, stages_per_rank
+from .tp_plan import rank_layer_shapes
+
+# The inputs of one int4 group: quant.sizes.INT4_GROUP, which layout/ may not import (a sibling
+# layer); tests/test_tp_plan.py keeps the two equal.
+INT4_GROUP = 32
 
 _TRAIN_NAMES = {"dp": "parallel.dp", "dp_replicate": "parallel.dp_replicate", "zero": "parallel.zero",
                 "tp": "parallel.tp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
@@ -79,6 +84,10 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
     if model is not None:
         check_model(model)
         _check_tensor_parallel(model, layout, work)
+        if work is not None:
+            problem = packed_split_problem(model, layout.tp, work.quantize)
+            if problem:
+                raise ConfigError(problem)
         _check_pipeline_model(model, layout, work)
         if work is not None:
             _check_sequence(model, layout, work)
@@ -197,7 +206,7 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     flag = _name("tp", work)
     if model.n_experts and tp > 1 and training and layout.ep == 1:
         # Training splits attention over tp and the experts over ep (parallel/tensor_parallel.py);
-        # inference splits each expert over tp (infer/runner.py).
+        # inference splits each expert over tp (layout/tp_plan.py: INFER_EXPERT_DIMS).
         fix = "parallel.ep > 1 beside parallel.tp (experts split over data-parallel ranks)"
         raise ConfigError(f"{_say('tp', tp, work)} does not split mixture-of-experts layers (model.n_experts="
                           f"{model.n_experts}) by itself; use {fix}")
@@ -230,6 +239,44 @@ def _check_tensor_parallel(model: LlamaConfig, layout: Layout, work: Workload | 
     # No rule for the vocabulary: training's vocabulary-parallel embedding and loss take uneven
     # DTensor shards (vocab 259 on tp 2: loss and gradient norm equal to one process), and
     # inference pads the last shard.
+
+
+def packed_split_problem(model: LlamaConfig, tp: int, quantize: str) -> str | None:
+    """Why `--quantize int4` cannot hold `model`'s layers packed on `tp` ranks, or None. Each
+    rank packs its slice of every linear weight of a layer in groups of INT4_GROUP inputs, so
+    the inputs it holds must be whole groups: the loader refuses the same inside the workers
+    (io.weights.read_weight, io/gguf.py's packed blocks). Routed experts ([experts, out, in])
+    stay float; the embedding and head are int8 (one scale a row) on one rank and read as
+    float vocabulary shards under tp, so neither has groups to cut."""
+    if quantize != "int4":
+        return None
+    whole = _cut_group(model, 1)
+    if whole:
+        module, full, _ = whole
+        return (f"--quantize int4 keeps groups of {INT4_GROUP} inputs whole, and {module} has {full} inputs; "
+                f"use --quantize int8")
+    cut = _cut_group(model, tp)
+    if cut is None:
+        return None
+    module, full, _ = cut
+    # Among the degrees inference takes (whole kv heads a rank); 1 always fits here.
+    fits = [t for t in divisors(model.n_kv_heads) if _cut_group(model, t) is None]
+    tps = f"--tp {fits[0]}" if len(fits) == 1 else f"--tp in {', '.join(map(str, fits))}"
+    return (f"--quantize int4 under --tp {tp} splits {module}'s {full} inputs into {full / tp:g} per rank, not "
+            f"whole groups of {INT4_GROUP}; use {tps} or --quantize int8")
+
+
+def _cut_group(model: LlamaConfig, tp: int) -> tuple[str, int, int] | None:
+    """(module, its inputs, the inputs one of `tp` ranks holds) of the first linear weight of a
+    layer whose inputs on a rank are not whole int4 groups, or None."""
+    split = rank_layer_shapes(model, tp, experts_over_tp=True)
+    for name, shape in rank_layer_shapes(model, 1, experts_over_tp=True).items():
+        if len(shape) != 2:
+            continue
+        full, held = shape[1], split[name][1]
+        if held % INT4_GROUP or (held != full and held * tp != full):
+            return name.rpartition(".")[0], full, held
+    return None
 
 
 def _check_inference(layout: Layout, work: Workload) -> None:

@@ -83,7 +83,9 @@ class Workload:
     lora_rank: int = 0  # train with LoRA adapters of this rank (0: every parameter trains)
     lora_targets: str = "q,k,v,o,gate,up,down"
     lora_base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA)
-    quantize: str = "none"  # infer: "int8" | "int4" weights kept packed (llmsplit.quant)
+    # infer: "int8" | "int4" weights kept packed (llmsplit.quant), as loaded: a GGUF file's own
+    # int4 blocks count as "int4" (their groups are cut alike: rules.packed_split_problem).
+    quantize: str = "none"
     compile: bool = False  # infer: decode steps run compiled (--compile)
 
     @property

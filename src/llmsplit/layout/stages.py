@@ -1,6 +1,6 @@
 """How the decoder's layers are cut into pipeline stages and which stages each pipeline
 rank holds. One cost-balanced split, used by training (parallel/pipeline.py), inference
-`--pp` (infer/distributed.py) and the planner alike."""
+`--pp` (infer/runner/split.py) and the planner alike."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ vocabulary-parallel embedding, and an output head whose logits stay sharded over
 vocabulary so the loss is computed on the shards (`loss_parallel`). With sequence
 parallel the residual stream and the norms are split along the sequence between the
 TP regions (all-gather in, reduce-scatter out), which divides activation memory by tp.
+Which weight splits how is the one table that inference and the planner read too
+(layout.tp_plan); this module adds how the activations move between them.
 
 A mixture-of-experts layer (models/moe.py) runs whole on every tp rank, on the whole
 sequence: its input is gathered from the sequence shards, its router is replicated, its
@@ -33,10 +35,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from ..layout import COLWISE, HEAD_NORMS, KV_PROJECTIONS, REPLICATE, ROWWISE, TOP_PLAN, layer_plan
 from ..models.llama import Transformer
 
 # Positional inputs of Attention.forward: x, cos, sin, kv_cache, layer_id, start_pos.
 _ATTN_EXTRA_INPUTS = (None, None, None, None, None)
+# Gemma 2's norms after attention and MLP: their output is added to the residual stream, a plain tensor.
+_OUTPUT_NORMS = ("post_attention_norm", "post_ffn_norm")
 
 
 class ReplicateParallel(ParallelStyle):
@@ -109,56 +114,61 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     """Split every layer of `model` over `tp_mesh` in place (the model may be on meta)."""
     sp = sequence_parallel
     cfg = model.cfg
-    # Validation guarantees that tp divides n_kv_heads or is a multiple of it.
-    kv_style = (ColwiseParallel() if cfg.n_kv_heads % tp_mesh.size() == 0
-                else KVHeadReplicate(cfg.n_kv_heads, cfg.head_dim))
     residual = Shard(1) if sp else Replicate()
     norm_style = SequenceParallel() if sp else ReplicateParallel()
     top = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    if model.norm is not None:
-        top["norm"] = norm_style
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    for name, split in TOP_PLAN.items():
+        module = getattr(model, name)
+        if module is None:
+            continue  # on another pipeline stage
+        if split == REPLICATE:
+            top[name] = norm_style
+        elif isinstance(module, nn.Embedding):  # torch's row split of an embedding divides the vocabulary
+            top[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        else:  # the head's output features are the vocabulary: logits stay sharded for loss_parallel
+            top[name] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
-    # Qwen3's q/k norms run on this rank's heads ([b, s, heads, head_dim]): the heads are the
-    # sharded dim, so their weight gradients are partial sums that DTensor adds over the ranks.
-    head_norm = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
-                 for n in ("q_norm", "k_norm") if cfg.qk_norm}
-    if cfg.sandwich_norm:  # Gemma 2's norms after attention and MLP, their output added to the residual
-        post = SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
-        head_norm.update({"post_attention_norm": post, "post_ffn_norm": post})
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            **head_norm,
-            "attention_norm": norm_style,
-            "attention": PrepareModuleInput(input_layouts=(residual, *_ATTN_EXTRA_INPUTS),
-                                            desired_input_layouts=(Replicate(), *_ATTN_EXTRA_INPUTS)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": kv_style,
-            "attention.wv": kv_style,
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "ffn_norm": norm_style,
-            **(_moe_plan(cfg, residual) if cfg.n_experts else _mlp_plan("feed_forward", residual)),
-        })
+        parallelize_module(block, tp_mesh, {**_activation_plan(cfg, residual),
+                                            **_weight_plan(cfg, tp_mesh.size(), residual, norm_style, sp)})
 
 
-def _mlp_plan(name: str, residual) -> dict[str, ParallelStyle]:
-    """A SwiGLU MLP: gate and up column-parallel, down row-parallel."""
-    return {name: PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            f"{name}.w1": ColwiseParallel(),
-            f"{name}.w3": ColwiseParallel(),
-            f"{name}.w2": RowwiseParallel(output_layouts=residual)}
+def _weight_plan(cfg, tp: int, residual, norm_style, sp: bool) -> dict[str, ParallelStyle]:
+    """Each module of a layer that holds weights, split as the table says (layout.tp_plan)."""
+    plan = {}
+    for name, split in layer_plan(cfg).items():
+        # A MoE layer runs whole on the gathered sequence (module docstring): what its shared
+        # experts' down projection sums stays replicated until the layer cuts its output.
+        in_moe = bool(cfg.n_experts) and name.startswith("feed_forward.")
+        if split == COLWISE:
+            whole_kv = name in KV_PROJECTIONS and cfg.n_kv_heads % tp  # validation: tp a multiple of n_kv_heads
+            plan[name] = KVHeadReplicate(cfg.n_kv_heads, cfg.head_dim) if whole_kv else ColwiseParallel()
+        elif split == ROWWISE:
+            plan[name] = RowwiseParallel(output_layouts=Replicate() if in_moe else residual)
+        elif name in HEAD_NORMS:
+            # Qwen3's q/k norms run on this rank's heads ([b, s, heads, head_dim]): the heads are the
+            # sharded dim, so their weight gradients are partial sums that DTensor adds over the ranks.
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif name in _OUTPUT_NORMS:
+            plan[name] = SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
+        else:  # the norms before attention and MLP, and the router (inside the whole MoE layer)
+            plan[name] = ReplicateParallel() if in_moe else norm_style
+    return plan
 
 
-def _moe_plan(cfg, residual) -> dict[str, ParallelStyle]:
-    """A MoE layer whole on the gathered sequence (module docstring); plain tensors inside."""
-    plan = {"feed_forward": PrepareModuleInputOutput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
-                                                     use_local_input=True, output_layouts=(Replicate(),),
-                                                     desired_output_layouts=(residual,)),
-            "feed_forward.router": ReplicateParallel()}
+def _activation_plan(cfg, residual) -> dict[str, ParallelStyle]:
+    """Where activations change layout: attention and each SwiGLU MLP take the whole sequence."""
+    plan = {"attention": PrepareModuleInput(input_layouts=(residual, *_ATTN_EXTRA_INPUTS),
+                                            desired_input_layouts=(Replicate(), *_ATTN_EXTRA_INPUTS))}
+    if not cfg.n_experts:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+        return plan
+    # A MoE layer whole on the gathered sequence (module docstring); plain tensors inside.
+    plan["feed_forward"] = PrepareModuleInputOutput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                                    use_local_input=True, output_layouts=(Replicate(),),
+                                                    desired_output_layouts=(residual,))
     if cfg.n_shared_experts:  # summed with the routed output before the layer's output
-        plan.update(_mlp_plan("feed_forward.shared", Replicate()))
+        plan["feed_forward.shared"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                         desired_input_layouts=(Replicate(),))
     return plan

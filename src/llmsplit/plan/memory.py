@@ -17,9 +17,11 @@ saved-tensor hooks in tests/test_plan_memory.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from ..layout import SPLIT_BACKWARD_SCHEDULES
+from ..adapters.lora import TARGETS
+from ..layout import INFER_EXPERT_DIMS, SPLIT_BACKWARD_SCHEDULES, rank_layer_shapes, stage_ids_of_rank
 from ..models.llama import LlamaConfig
 from .experts import dispatch_buffer_bytes, expert_params_per_rank
 from .hardware import Device
@@ -57,14 +59,12 @@ class Breakdown:
 # ---------------------------------------------------------------- parameters
 
 def layer_params(cfg: LlamaConfig, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel (or expert-parallel) rank (norms
-    are replicated; ep keeps 1/ep of the routed experts, whole on every tp rank, beside the
-    replicated router: parallel/tensor_parallel.py)."""
-    norms, kv, router = 2 * cfg.dim, cfg.kv_params(), cfg.dim * cfg.n_experts
-    q_o_mlp = cfg.layer_params() - kv - norms - cfg.routed_expert_params() - router
-    # With more tp ranks than kv heads, wk/wv stay whole on every rank (kv heads replicated).
-    kv_share = kv // tp if cfg.n_kv_heads % tp == 0 else kv
-    return q_o_mlp // tp + kv_share + norms + router + expert_params_per_rank(cfg, ep)
+    """Parameters of one decoder layer on one tensor-parallel (or expert-parallel) rank, split as
+    training splits them (layout.tp_plan): ep keeps 1/ep of the routed experts, whole on every
+    tp rank."""
+    shapes = rank_layer_shapes(cfg, tp, experts_over_tp=False)
+    rest = sum(math.prod(shape) for name, shape in shapes.items() if name not in INFER_EXPERT_DIMS)
+    return rest + expert_params_per_rank(cfg, ep)
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
@@ -72,9 +72,9 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
 
     With V schedules rank 0 holds the first and the last chunk, so embedding and head.
     """
-    p, t = layout.pp, layout.tp
-    first = stage == 0
-    last = stage == (0 if layout.pp_schedule in ("zbv", "dualpipev") and p > 1 else p - 1)
+    t = layout.tp
+    ids = stage_ids_of_rank(layout.pp_schedule, stage, layout.pp, layout.pp_virtual_stages)
+    first, last = 0 in ids, layout.n_stages - 1 in ids
     table = cfg.vocab_size * cfg.dim // t
     # A tied head shares the embedding's tensor only when both live on the same rank.
     head = table if last and (not cfg.tie_embeddings or not first) else 0
@@ -85,14 +85,15 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> dict:
 
 def lora_layer_params(cfg: LlamaConfig, work: Workload, tp: int = 1) -> int:
     """LoRA parameters of one layer on one tp rank: A [r, in] and B [out, r] per target, split like
-    the layer (adapters/lora.py): column-parallel B by rows, row-parallel A by columns."""
-    r, hd, kv_split = work.lora_rank, cfg.head_dim, tp if cfg.n_kv_heads % tp == 0 else 1
-    shapes = {"q": (cfg.dim, cfg.n_heads * hd, 1, tp), "k": (cfg.dim, cfg.n_kv_heads * hd, 1, kv_split),
-              "v": (cfg.dim, cfg.n_kv_heads * hd, 1, kv_split), "o": (cfg.n_heads * hd, cfg.dim, tp, 1),
-              "gate": (cfg.dim, cfg.ffn_dim, 1, tp), "up": (cfg.dim, cfg.ffn_dim, 1, tp),
-              "down": (cfg.ffn_dim, cfg.dim, tp, 1)}
-    targets = [shapes[t.strip()] for t in work.lora_targets.split(",") if t.strip()] if r else []
-    return sum(r * n_in // a_split + n_out * r // b_split for n_in, n_out, a_split, b_split in targets)
+    the layer (adapters/lora.py): column-parallel B by rows, row-parallel A by columns, i.e. A's
+    inputs and B's outputs are those of the target's weight on the rank (layout.tp_plan)."""
+    if not work.lora_rank:
+        return 0
+    shapes = rank_layer_shapes(cfg, tp, experts_over_tp=False)
+    names = (f"{TARGETS[t.strip()]}.weight" for t in work.lora_targets.split(",") if t.strip())
+    # A MoE layer has no gate/up/down layers to adapt (training refuses them: train/api.check_moe_training).
+    targets = [shapes[name] for name in names if name in shapes]
+    return sum(work.lora_rank * (n_in + n_out) for n_out, n_in in targets)
 
 
 # ---------------------------------------------------------------- activations

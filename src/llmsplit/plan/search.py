@@ -12,7 +12,6 @@ from ..models.llama import LlamaConfig
 from .cost import StepCost, step_cost
 from .hardware import Device
 from .memory import Breakdown, memory_per_device
-from .states import packed_split_problem
 
 GiB = 1024 ** 3
 
@@ -85,17 +84,9 @@ def accepts(cfg: LlamaConfig, layout: Layout, work: Workload, world: int) -> boo
     """Does `layout.check` (the rules training and inference enforce) accept the layout?"""
     try:
         check(cfg, layout, work, world)
-        check_packed(cfg, layout, work)
     except ConfigError:
         return False
     return True
-
-
-def check_packed(cfg: LlamaConfig, layout: Layout, work: Workload) -> None:
-    """With `work.quantize`, refuse (as the loader does) a tp split whose shards cut groups."""
-    problem = packed_split_problem(cfg, layout.tp, work.quantize)
-    if problem:
-        raise ConfigError(problem)
 
 
 def _training_variants(cfg, work, device, tp, pp, dp, minimal):
@@ -139,7 +130,6 @@ def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout:
     """All layouts that run (or just `layout`), fitting ones first, fastest first."""
     if layout is not None:
         check(cfg, layout, work, world)
-        check_packed(cfg, layout, work)
         layouts = [layout]
     else:
         layouts = list(enumerate_layouts(cfg, work, world, device))

@@ -3,9 +3,9 @@ AdamW moments, as llmsplit holds them (plan/memory.py adds activations and buffe
 
 from __future__ import annotations
 
-from ..layout import Workload
+from ..layout import Workload, rank_layer_shapes
 from ..models.llama import LlamaConfig
-from ..quant.sizes import kind_for, packed_nbytes, split_problem
+from ..quant.sizes import kind_for, packed_nbytes
 
 FP32 = 4
 # Bytes a value of a quantized frozen base takes (adapters/qlora.py, torchao's tensors): NF4 is
@@ -63,7 +63,7 @@ def inference_weight_bytes(cfg: LlamaConfig, stage: dict, layer: int, t: int, c:
     """Bytes of the weights one inference rank of pipeline stage `stage` (`memory.stage_params`;
     `layer` parameters a decoder layer on this rank) holds: `c` bytes a value, or with
     `quantize` the bytes a packed load holds (`quant.sizes.packed_nbytes`): q/k/v fused into one
-    packed weight and gate/up into another (`infer.runner.fuse_projections`), each with its
+    packed weight and gate/up into another (`infer.runner.runner.fuse_projections`), each with its
     group scales and the int4 layout's padded rows; the embedding and head at int8 (int4 too
     keeps them there, `quant.sizes.kind_for`) on one tp rank, at `c` under tp (the vocabulary
     shards are read as float); norms, biases and MoE experts stay at `c`."""
@@ -72,21 +72,13 @@ def inference_weight_bytes(cfg: LlamaConfig, stage: dict, layer: int, t: int, c:
     norm = stage["final_norm"]
     if quantize == "none":
         return c * (n_layers * layer + table * ends + norm)
-    hd = cfg.head_dim
-    q, kv = cfg.n_heads * hd // t, cfg.n_kv_heads * hd // (t if cfg.n_kv_heads % t == 0 else 1)
-    mats = [((q + 2 * kv, cfg.dim), quantize), ((cfg.dim, q), quantize)]
+    shapes = rank_layer_shapes(cfg, t, experts_over_tp=True)
+    wq, wk, wv, wo = (shapes[f"attention.w{x}.weight"] for x in "qkvo")
+    mats = [((wq[0] + wk[0] + wv[0], wq[1]), quantize), (wo, quantize)]
     if not cfg.n_experts:
-        f = cfg.ffn_dim // t
-        mats += [((2 * f, cfg.dim), quantize), ((cfg.dim, f), quantize)]
+        gate, up, down = (shapes[f"feed_forward.w{x}.weight"] for x in "132")
+        mats += [((gate[0] + up[0], gate[1]), quantize), (down, quantize)]
     packed_values = sum(n * k for (n, k), _ in mats)
     per_layer = sum(packed_nbytes(shape, kind) for shape, kind in mats) + c * (layer - packed_values)
     vocab = packed_nbytes((cfg.vocab_size, cfg.dim), kind_for("output.weight", quantize)) if t == 1 else c * table
     return n_layers * per_layer + vocab * ends + c * norm
-
-
-def packed_split_problem(cfg: LlamaConfig, t: int, quantize: str) -> str | None:
-    """Why a tp rank's weights cannot be kept packed as `quantize`, or None."""
-    inputs = {"model.dim": cfg.dim, "attention.wo": cfg.n_heads * cfg.head_dim // t}
-    if not cfg.n_experts:
-        inputs["feed_forward.w2"] = cfg.ffn_dim // t
-    return split_problem(inputs, quantize, t)

@@ -37,16 +37,3 @@ def packed_nbytes(shape: tuple[int, int], kind: str, native: bool = True) -> int
     if kind == "q8_0":
         return rows * k + rows * (k // INT4_GROUP) * (2 if native else 8)
     return rows * k // 2 + rows * (k // INT4_GROUP) * 4
-
-
-def split_problem(inputs: dict[str, int], mode: str, shards: int = 1) -> str | None:
-    """Why int4 cannot hold these weights packed ({name: inputs of one of `shards` shards}), or
-    None: each shard's inputs must be whole groups of INT4_GROUP (the loader refuses the same)."""
-    if mode != "int4":
-        return None
-    for name, k in inputs.items():
-        if k % INT4_GROUP:
-            split = f" per shard of tp={shards}" if shards > 1 else ""
-            return (f"--quantize int4 keeps groups of {INT4_GROUP} inputs whole, and {name} has {k} inputs{split}; "
-                    f"use --quantize int8{' or a smaller tp' if shards > 1 else ''}")
-    return None
