@@ -61,7 +61,7 @@ def peft_losses(folder: Path, data: Path, run: Path) -> list[float]:
 
     from llmsplit.adapters.lora import apply_lora, init_lora
     from llmsplit.config import load_config, model_config
-    from llmsplit.config_data import DataSection
+    from llmsplit.config import DataSection
     from llmsplit.data.datasets import build_samplers
     from llmsplit.io.tokenizer import load_tokenizer
     from llmsplit.models.llama import Transformer, document_mask

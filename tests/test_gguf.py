@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import llmsplit  # noqa: E402
 from hf_models import MOE, hf_model, make_hf_folder, merge_peft_adapter  # noqa: E402
 from llmsplit.errors import ConfigError  # noqa: E402
-from llmsplit.io.gguf import GGUFWeights, permute_for_gguf, to_gguf_name  # noqa: E402
+from llmsplit.io.gguf import GGUFWeights, to_gguf_name  # noqa: E402
 from llmsplit.io.hf import HFWeights  # noqa: E402
 from llmsplit.models.llama import Transformer  # noqa: E402
 
@@ -22,6 +22,11 @@ from llmsplit.models.llama import Transformer  # noqa: E402
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_hf_folder(tmp_path_factory.mktemp("gguf") / "llama", num_hidden_layers=2)
+
+
+def permute_for_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to q/k rows (io/gguf.py's unpermute_from_gguf undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def write_gguf(folder, path, qtype, extra=lambda writer: None, arch="llama"):

@@ -1,4 +1,4 @@
-"""Inference processes keep freed memory for reuse (infer/heap.py): a block of an activation's
+"""Inference processes keep freed memory for reuse (allocator.py): a block of an activation's
 size, freed and taken again, comes back without page faults."""
 
 import platform
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # A fresh process: glibc's thresholds move as blocks are freed, so each variant starts from them.
 SCRIPT = """
 import resource, sys, torch
-from llmsplit.infer.heap import keep_freed_memory
+from llmsplit.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.ones(6 << 20)  # 24 MiB of float32, written whole and freed at once
@@ -41,7 +41,7 @@ def test_a_freed_activation_is_reused_without_page_faults():
 # sets make the heap keep even 24 MiB); `give_back_freed_memory` returns its pages.
 TRIM = """
 import sys, torch
-from llmsplit.infer.heap import give_back_freed_memory, keep_freed_memory
+from llmsplit.allocator import give_back_freed_memory, keep_freed_memory
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) << 10
 assert keep_freed_memory()

@@ -168,7 +168,7 @@ def _cfg(**keys):
 
 
 def test_precision_the_device_lacks_is_refused(monkeypatch):
-    import llmsplit.config as config
+    import llmsplit.config.checks as config
 
     monkeypatch.setattr(config, "_autocast_supports", lambda device_type, dtype: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -178,7 +178,7 @@ def test_precision_the_device_lacks_is_refused(monkeypatch):
 
 
 def test_offload_dir_must_exist_and_be_writable(tmp_path, monkeypatch):
-    import llmsplit.config as config
+    import llmsplit.config.checks as config
 
     cfg = _cfg(memory__offload="nvme", memory__offload_dir=str(tmp_path / "missing"), parallel__zero=3)
     with pytest.raises(ConfigError, match="is not an existing folder"):

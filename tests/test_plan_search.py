@@ -78,7 +78,7 @@ def test_flops_and_pipeline_bubble():
     (["--model", "llama-3-8b", "--gpus", "8", "--gpu", "V100"], "H100-80GB"),
     (["--model", "llama-3-8b", "--gpus", "0"], "--gpus 0"),
     (["--model", "llama-3-8b", "--gpus", "-3"], "--gpus -3"),
-    (["--model", "llama-3-8b", "--gpus", "8", "--layout", "tp=3"], "3×1 does not divide"),
+    (["--model", "llama-3-8b", "--gpus", "8", "--layout", "tp=3"], "not divisible by parallel.tp × parallel.pp = 3"),
     (["--model", "llama-3-8b", "--gpus", "6", "--layout", "tp=3"], "tp=3 does not divide"),
     (["--model", "llama-3-8b", "--gpus", "8", "--layout", "pp=8,tp=1"], None),
     (["--model", "llama-3-8b", "--gpus", "6", "--layout", "pp=6"], None),  # uneven, as training allows

@@ -12,7 +12,7 @@ from helpers import assert_close_losses, losses, train
 
 from llmsplit.adapters.lora import apply_lora, init_lora
 from llmsplit.adapters.qlora import dequantize, is_quantized, quantize_base, quantize_weight
-from llmsplit.config import ConfigError, load_config, validate
+from llmsplit.config import ConfigError, load_config, model_config, validate
 from llmsplit.models.llama import LlamaConfig, Transformer
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=128, max_seq_len=32)
@@ -97,6 +97,20 @@ def test_nf4_weights_decode_into_one_workspace_as_torchao_decodes_them():
 def test_quantized_base_keys_are_checked(sets, fragment):
     with pytest.raises(ConfigError, match=fragment):
         validate(load_config(None, sets), 2)
+
+
+def test_a_base_whose_shapes_break_nf4_blocks_is_refused_before_training():
+    """NF4 stores whole blocks of 64 values; with dim 36 the q weight holds 36x36 = 1,296. The
+    config check refuses it, naming lora.base and the fix, where torchao would have stopped
+    every worker with an assertion; int8 (a scale per row) stores it."""
+    sizes = ["lora.rank=4", "model.dim=36", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_dim=96"]
+    cfg = load_config(None, [*sizes, "lora.base=nf4"])
+    with pytest.raises(ConfigError, match=re.escape("lora.base='nf4' cannot store this model: the attention.wq weight "
+                                                    "(36x36) is not a whole number of NF4 blocks of 64 values; use "
+                                                    "lora.base=\"int8\" or lora.base=\"none\"")):
+        validate(cfg, 1, model_config(cfg))
+    cfg = load_config(None, [*sizes, "lora.base=int8"])
+    validate(cfg, 1, model_config(cfg))
 
 
 def test_the_planner_counts_the_base_at_its_stored_width():

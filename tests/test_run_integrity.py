@@ -221,7 +221,7 @@ def test_a_full_temporary_folder_is_named_with_the_workers_failure(tmp_path, mon
 
     import llmsplit
     import llmsplit.io.disk_full
-    from llmsplit.training import TrainingFailed
+    from llmsplit.api import TrainingFailed
 
     tmp, measured = tempfile.gettempdir(), llmsplit.io.disk_full.free_bytes
     monkeypatch.setattr(llmsplit.io.disk_full, "free_bytes", lambda path: 0 if str(path) == tmp else measured(path))

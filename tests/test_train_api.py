@@ -13,7 +13,7 @@ import llmsplit
 from helpers import TINY
 from llmsplit.config import ConfigError, load_config
 from llmsplit.launch import free_port
-from llmsplit.training import TrainingFailed
+from llmsplit.api import TrainingFailed
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ before FSDP/DDP wrap them (apply.py): every layout then holds the same quantized
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from contextlib import contextmanager
 
@@ -121,20 +120,6 @@ def quantize_base(model: nn.Module, base: str) -> None:
         del w
         if base == "nf4":  # computes through nf4_linear (the class swap keeps names, parameters, hooks)
             module.__class__ = NF4LoRALinear if isinstance(module, LoRALinear) else NF4Linear
-
-
-def release_freed_heap() -> None:
-    """Give the kernel back the heap pages that quantizing freed. torchao's quantizers make
-    temporaries of many sizes (to_nf4 compares every value with the 16 NF4 levels); glibc keeps
-    what they freed in its heap rather than unmapping it, and a whole model quantized layer by
-    layer left 415 MiB resident that nothing used (/proc/self/status after quantizing
-    SmolLM2-135M's shapes: RSS 871 MiB, 455 after `malloc_trim(0)`), counted in every rank's
-    peak from then on. PyTorch has no call for this; glibc's own is used where it exists."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator keeps its own policy
-        return
-    libc.malloc_trim(0)
 
 
 class NF4Linear(nn.Linear):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config_data import DataSection
+from ..config import DataSection
 from ..errors import ConfigError
 from ..io.token_file import read_token_documents
 from .chat import Documents, encode_chat_files

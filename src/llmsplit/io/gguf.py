@@ -65,11 +65,6 @@ def to_gguf_name(name: str) -> str:
     return f"blk.{i}." + next(g for g, ours in _LAYER.items() if ours == rest)
 
 
-def permute_for_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """What llama.cpp's converter does to q/k rows (tests use it to write GGUF files)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def unpermute_from_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..adapters.lora import apply_lora, init_lora, parse_targets
-from ..adapters.qlora import quantize_base, quantized_names, release_freed_heap
+from ..adapters.qlora import quantize_base, quantized_names
+from ..allocator import give_back_freed_memory
 from ..config import Config
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig, Transformer, plain_name
@@ -109,7 +110,7 @@ def _materialise_quantized(model: Transformer, cfg: Config, device: torch.device
         if load_weights is not None:
             load_weights(model, only=lambda name: name.startswith(prefix))
         quantize_base(block, cfg.lora.base)
-    release_freed_heap()  # what quantizing freed, before the float parts and training take memory
+    give_back_freed_memory()  # what quantizing freed, before the float parts and training take memory
     for name, child in model.named_children():
         if name != "layers":
             child.to_empty(device=device)

@@ -7,19 +7,17 @@ import copy
 from dataclasses import replace
 from pathlib import Path
 
-from ..config_lora import check_lora
-from ..config import (Config, layout_of, load_config, model_config, record_model_sizes, to_toml,
+from ..config import (Config, check_lora, layout_of, load_config, model_config, record_model_sizes, to_toml,
                       workload_of)
 from ..errors import ConfigError
+from ..layout import (PRECISIONS, Layout, Workload, check, check_model, packed_split_problem, parse_layout,
+                      rank_layer_counts, resolve_dp, stage_layers)
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
 from ..quant.sizes import MODES
 from .experts import expert_params_per_rank
-from .states import packed_split_problem
 from .hardware import Device, get_device
-from ..layout import (PRECISIONS, Layout, Workload, check, check_model, parse_layout, rank_layer_counts,
-                      stage_layers)
 from .search import accepts, evaluate, search
 
 
@@ -159,9 +157,7 @@ def _fixed_layout(layout, gpus: int) -> Layout | None:
     lay = parse_layout(layout)
     explicit_dp = any(item.split("=")[0].strip().split(".")[-1] == "dp" for item in layout.split(","))
     if not explicit_dp:
-        if gpus % (lay.tp * lay.pp):
-            raise ConfigError(f"--layout tp × pp = {lay.tp}×{lay.pp} does not divide --gpus {gpus}")
-        lay = replace(lay, dp=gpus // (lay.tp * lay.pp))
+        lay = replace(lay, dp=resolve_dp(-1, lay.tp, lay.pp, gpus))
     return lay
 
 

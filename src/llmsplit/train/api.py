@@ -1,4 +1,4 @@
-"""The train layer's part of `llmsplit.train` (training.py adds the planner's parts: --auto,
+"""The train layer's part of `llmsplit.train` (llmsplit/api.py adds the planner's parts: --auto,
 the plan check, the OOM explanation): a job from a config, refused in one sentence before
 any worker starts when it cannot run, then run on local workers or inside torchrun, with
 what the workers return, or the figures of the one that failed, handed back as data."""

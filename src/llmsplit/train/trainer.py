@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import Config, config_from_toml, model_config, to_toml
+from ..config import Config, config_from_toml, layout_of, model_config, to_toml, workload_of
 from ..data.datasets import build_samplers
 from ..data.loader import Batch
 from ..io.weights import pretrained_weights
 from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
 from ..launch import join_job
+from ..layout import microbatches
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.mesh import Mesh, ParallelDims
 from ..threads import ThreadTuner
@@ -132,8 +133,7 @@ class Trainer:
         self.micro_batch = t.micro_batch
         self.pipeline_times = None
         if self.pm.pipeline is not None:
-            self.pm.build_schedule(cfg.parallel.pp_microbatches or t.global_batch // (self.dp_size * t.micro_batch),
-                                   self.loss)
+            self.pm.build_schedule(microbatches(layout_of(cfg, self.world), workload_of(cfg)), self.loss)
             self.pipeline_times = PipelineTimes(self.pm.schedule)
         self.log = MetricsLog(self.run_dir, self.start_step, t.steps, t.log_every, t.tensorboard) if self.rank0 else None
         self.held = None  # this rank's parameter, gradient and optimizer bytes, taken at the last step

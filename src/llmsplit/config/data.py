@@ -1,11 +1,10 @@
-"""The [data] section of the run configuration and its checks (config.py holds the other
-sections and calls `check_data`; one module per section keeps both under the size limit)."""
+"""The [data] section of the run configuration and its checks (checks.py calls `check_data`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 FORMATS = ("text", "chat")
 LOSS_ON = ("assistant", "all")

@@ -1,4 +1,4 @@
-"""The [lora] section of the run configuration and its checks (config.py calls `check_lora`)."""
+"""The [lora] section of the run configuration and its checks (checks.py calls them)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -48,3 +48,23 @@ def check_lora(lora: LoraSection) -> None:
     if lora.init is not None and not Path(lora.init).exists():
         raise ConfigError(f"lora.init={lora.init!r} does not exist; pass a PEFT adapter folder (adapter_config.json) "
                           f"or a LoRA run folder or checkpoint")
+
+
+def check_lora_base(lora: LoraSection, model_cfg) -> None:
+    """Refuse a quantized base that cannot store this model's layer weights (NF4 packs whole
+    blocks), before any worker starts: otherwise torchao's assertion stops every worker at its
+    first layer. The rule is adapters/qlora.py's own, asked of the model built on the meta
+    device (no memory), so the check and the quantizer see the same weights."""
+    if lora.rank == 0 or lora.base == "none":
+        return
+    import torch
+
+    from ..adapters.qlora import check_base_shapes
+    from ..models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    problem = check_base_shapes(model, lora.base)
+    if problem is not None:
+        raise ConfigError(f"lora.base={lora.base!r} cannot store this model: {problem}; use lora.base=\"int8\" "
+                          f"or lora.base=\"none\"")

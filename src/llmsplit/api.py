@@ -1,8 +1,11 @@
-"""`llmsplit.train(config, ...)`: train on local workers (or as one rank inside torchrun) and
-get the run back as a `TrainResult`. It sits above the layers because it joins the trainer
-(train/api.py, which never imports the planner) with the planner: `auto=True` runs the
-planner's layout, a finished run records the plan check, and a run stopped for memory
-comes back as a TrainingFailed that carries the planner's explanation.
+"""The Python entry points `llmsplit.train(...)` and `llmsplit.plan(...)` (the packages
+`llmsplit.train` and `llmsplit.plan` are callable and call these; llmsplit/__init__.py).
+
+They sit above the layers because they join the trainer (train/api.py, which never imports
+the planner) with the planner and the diagnoses: `auto=True` runs the planner's layout, a
+finished run records the plan check, and a run stopped for memory comes back as a
+TrainingFailed that carries the planner's explanation; `plan` measures this machine's CPU
+(diagnose.probe) for the pure planner.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from .config import Config
 from .train.api import TrainJob, TrainResult, TrainingFailed, Workers, check_job, prepare_job, run_job
 
-__all__ = ["TrainResult", "TrainingFailed", "train"]
+__all__ = ["TrainResult", "TrainingFailed", "plan", "train"]
 
 OOM_HINT = "apply one of the changes above with --set (or raise memory.limit_bytes)"
 
@@ -23,13 +26,20 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
           resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int = 1, node_rank: int = 0,
           master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
           resume_changed: bool = False) -> TrainResult:
-    """Train as `config` says (a .toml path, a Config, or None for the built-in defaults),
-    with `overrides` ("KEY=VALUE", as `--set`) on top. `resume`: "none", "auto" (the newest
-    checkpoint in `run_dir`) or a run folder or checkpoint; a resume whose tokenizer, data,
-    sequence length, global batch or seed differ from the checkpoint's is refused unless
-    `resume_changed` (summary.json then records the change). Raises ConfigError before any
-    worker starts when the run cannot work (a damaged checkpoint, a run folder in use by
-    another run), TrainingFailed when a worker fails."""
+    """Train as `config` says (a .toml path, a `Config`, or None: the tiny model on the
+    built-in corpus) on `nproc` local worker processes, or as one rank inside torchrun.
+
+    overrides: ["train.steps=10", ...] on top of the config (like --set); auto: the planner's
+    layout; nnodes, node_rank, master_addr, master_port, max_restarts: as the command line's.
+    `resume`: "none", "auto" (the newest checkpoint in `run_dir`) or a run folder or
+    checkpoint; a resume whose tokenizer, data, sequence length, global batch or seed differ
+    from the checkpoint's is refused unless `resume_changed` (summary.json then records the
+    change). Returns a `TrainResult`: run_dir, summary (summary.json's content), final_loss,
+    micro_batch (the one the run trained with), plan_check, per_rank. Raises `ConfigError`
+    before any worker starts when the run cannot work (a damaged checkpoint, a run folder in
+    use by another run), `TrainingFailed` (with `hint`, and the measured `out_of_memory`
+    figures and the planner's `explanation` when it ran out) when a worker fails.
+    """
     job = prepare_job(config, overrides, run_dir, resume,
                       Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed)
     if auto:
@@ -46,6 +56,32 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
     if result.summary is not None and result.run_dir is not None:
         _plan_check(job, result)
     return result
+
+
+def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) -> dict:
+    """Predict memory per device and step time for the layouts of `model` on `gpus` devices.
+
+    `model`: a preset name, a Hugging Face folder or a training config (.toml). Options:
+    nodes, seq_len, global_batch, mode ("train"/"infer"), layout ("zero=3,tp=2"), top,
+    precision. `emit_config="OUT.toml"` also writes the best layout `llmsplit train` runs.
+    Returns the JSON document `llmsplit plan --json` prints.
+    """
+    from .plan.api import emit_config as _emit, plan_report
+
+    if str(model).endswith(".toml") and "tokenizer_vocab" not in options:
+        # The embedding grows to cover the config's tokenizer, as in training.
+        from .config import load_config
+        from .io.tokenizer import load_tokenizer
+
+        options["tokenizer_vocab"] = load_tokenizer(load_config(model).data.tokenizer).vocab_size
+    if isinstance(gpu, str) and gpu.lower() == "cpu" and "cpu_measured" not in options:
+        # The planner is pure; this machine's CPU is measured here (once, then cached).
+        from .diagnose.probe import measure_cpu
+
+        options["cpu_measured"] = measure_cpu()
+    if emit_config:
+        return _emit(model, gpus, gpu, emit_config, **options)[1]
+    return plan_report(model, gpus, gpu, **options)
 
 
 def _local_device(job: TrainJob):
