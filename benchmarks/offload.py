@@ -51,11 +51,12 @@ def _budget(folder: Path) -> int:
     the second half on disk: by its own accounting (weights, KV cache, workspace, two layers
     of staging). Accelerate, counting weights only, fits more layers in the same budget."""
     from llmsplit.infer.api import run_sizes
-    from llmsplit.infer.placement import place
+    from llmsplit.infer.config import InferConfig
     from llmsplit.io.hf import HFWeights
+    from llmsplit.plan.placement import place
 
     source = HFWeights(folder)
-    _, sizes = run_sizes(source, "float32", max(BATCHES), CONTEXT)
+    _, sizes = run_sizes(source, InferConfig(dtype="float32", max_batch=max(BATCHES), max_context=CONTEXT))
     n = source.config.n_layers
     # Half of the layers; a tiny model keeps only its first on the CPU, or its two staging
     # buffers would cost as much as the layers sent to disk save.

@@ -15,7 +15,8 @@ import pytest
 from llmsplit.cli_args import build_parser
 from llmsplit.diagnose.oom import explain_infer_oom
 from llmsplit.infer.api import generation_context
-from llmsplit.infer.placement import PlacementError, Sizes, detect_budgets, place
+from llmsplit.infer.runner.budgets import detect_budgets
+from llmsplit.plan.placement import PlacementError, Sizes, place
 from llmsplit.models.llama import LlamaConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"

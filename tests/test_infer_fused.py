@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from llmsplit.infer.runner import fuse_projections
+from llmsplit.infer.runner.runner import fuse_projections
 from llmsplit.models.llama import LlamaConfig, Transformer
 
 # Grouped kv heads and q/k/v biases (Qwen2), the two things the fused split must get right.

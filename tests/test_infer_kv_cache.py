@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from llmsplit.infer.kv_cache import BlockPool, CacheFull, PagedKVCache
+from llmsplit.infer.engine.block_manager import BlockPool, CacheFull
+from llmsplit.infer.runner.kv_cache import PagedKVCache
 from llmsplit.models.llama import LlamaConfig, Transformer
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_dim=128, max_seq_len=64)

@@ -4,7 +4,7 @@ changes and the CLI path are in tests/test_oom.py)."""
 import pytest
 
 from llmsplit.diagnose.oom import explain_infer_oom
-from llmsplit.infer.placement import Sizes
+from llmsplit.plan.placement import Sizes
 from llmsplit.models.llama import LlamaConfig
 from llmsplit.diagnose import probe
 from llmsplit.plan import hardware

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from llmsplit.errors import ConfigError
-from llmsplit.infer.placement import (PlacementError, Sizes, kv_bytes_per_layer, parse_max_memory, parse_size,
+from llmsplit.plan.placement import (PlacementError, Sizes, kv_bytes_per_layer, parse_max_memory, parse_size,
                                       place, units)
 from llmsplit.models.llama import LlamaConfig
 
@@ -42,7 +42,7 @@ def test_units_weigh_what_the_modules_hold():
 def test_the_kv_cache_is_counted():
     import torch
 
-    from llmsplit.infer.kv_cache import PagedKVCache
+    from llmsplit.infer.runner.kv_cache import PagedKVCache
 
     kv = kv_bytes_per_layer(CFG, BF16)
     # The engine's paged cache for one layer, 4 sequences of 4096 tokens in blocks of 16 (meta: no memory).

@@ -159,7 +159,7 @@ DYING_RANK_1 = """
 import os, sys
 import torch.distributed as dist
 import llmsplit
-import llmsplit.infer.distributed as split
+import llmsplit.infer.runner.split as split
 from llmsplit.launch import LaunchError
 
 loading = split.Runner

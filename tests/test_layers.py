@@ -44,6 +44,10 @@ PLANTED = [
     ("infer/_planted.py", "x = 1"),
     ("diagnose/__init__.py", "from ..infer._planted import x"),
     ("diagnose/__init__.py", "from ..launch import _planted_helper"),
+    ("infer/engine/__init__.py", "from ..runner import kv_cache"),
+    ("infer/runner/__init__.py", "from ..engine import scheduler"),
+    ("infer/serve/__init__.py", "from ..runner import runner"),
+    ("infer/engine/sequence.py", "import fastapi"),
 ]
 # What the report must then say, planted import by planted import.
 REPORTED = [
@@ -57,6 +61,10 @@ REPORTED = [
     "- llmsplit -> llmsplit.cli",
     "- llmsplit.diagnose -> llmsplit.infer._planted",
     "llmsplit.diagnose imports _planted_helper from llmsplit.launch",
+    "llmsplit.infer.engine is not allowed to import llmsplit.infer.runner",
+    "llmsplit.infer.runner is not allowed to import llmsplit.infer.engine",
+    "llmsplit.infer.serve is not allowed to import llmsplit.infer.runner",
+    "llmsplit.infer.engine is not allowed to import fastapi",
 ]
 
 

@@ -48,7 +48,7 @@ def test_llama3_8b_at_pp4_is_cut_alike_by_training_inference_and_the_planner(cap
     import json
 
     from llmsplit.cli import main
-    from llmsplit.infer.distributed import split_layout, stage_units
+    from llmsplit.infer.runner.split import split_layout, stage_units
     from llmsplit.parallel.pipeline import split_model
 
     cfg = preset_config("llama-3-8b")
@@ -134,7 +134,7 @@ def test_a_training_config_and_the_planner_reach_the_same_verdict(triple):
 @settings(max_examples=150, deadline=None)
 @given(triples())
 def test_accepted_layouts_split_every_layer_once_as_training_and_inference_do(triple):
-    from llmsplit.infer.distributed import split_layout, stage_units
+    from llmsplit.infer.runner.split import split_layout, stage_units
     from llmsplit.parallel.pipeline import split_model
 
     model, layout, work = triple

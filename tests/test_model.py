@@ -112,7 +112,8 @@ def test_init_under_a_sharded_layout_gives_the_same_weights(tmp_path):
 
 
 def test_kv_cache_decoding_matches_full_forward():
-    from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
+    from llmsplit.infer.engine.block_manager import BlockPool
+    from llmsplit.infer.runner.kv_cache import PagedKVCache
 
     m = build().eval()
     x = torch.randint(0, 100, (1, 14))

@@ -170,7 +170,7 @@ def test_experts_kept_on_the_cpu_give_the_same_tokens(family):
     arch, folder = family
     whole = llmsplit.load(folder)
     m = llmsplit.load(folder, n_cpu_moe=1)
-    from llmsplit.infer.cpu_experts import experts_on_cpu
+    from llmsplit.infer.runner.cpu_experts import experts_on_cpu
 
     layers = m.runner.model.layers
     assert m.placement.cpu_experts == [0] and layers["0"].feed_forward.dispatch is experts_on_cpu

@@ -159,7 +159,7 @@ def test_a_measured_cuda_stop_scales_the_suggestions(tmp_path):
     """A CUDA stop measured above the placement's prediction leaves fewer changes that fit
     (fake budgets: the explainer is pure given them)."""
     from llmsplit.diagnose.oom import explain_infer_oom
-    from llmsplit.infer.placement import Sizes, place
+    from llmsplit.plan.placement import Sizes, place
     from llmsplit.models.llama import LlamaConfig
 
     cfg = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=512, max_seq_len=4096)

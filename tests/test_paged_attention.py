@@ -6,8 +6,9 @@ grouped-query heads, a sliding window and sequences of different lengths scatter
 import pytest
 import torch
 
-from llmsplit.infer import paged_attention
-from llmsplit.infer.kv_cache import BlockPool, PagedKVCache
+from llmsplit.infer.runner import paged_attention
+from llmsplit.infer.engine.block_manager import BlockPool
+from llmsplit.infer.runner.kv_cache import PagedKVCache
 from llmsplit.models.attention import Attention
 from llmsplit.models.llama import LlamaConfig
 
@@ -62,7 +63,7 @@ def test_kernel_matches_gathered_attention(kv_dtype, window, softcap, batch, dim
 def test_packed_step_decodes_through_the_kernel_and_chunks_through_sdpa(monkeypatch):
     """A fused step (decodes of two sequences, a prefill chunk of a third): the one-token part
     goes to the kernel, the chunk to the model's attention, and the rows come back in order."""
-    from llmsplit.infer.kv_cache import PackedStep
+    from llmsplit.infer.engine.step import PackedStep
 
     calls = []
     real = paged_attention.decode

@@ -229,7 +229,7 @@ def test_loss_peak_is_what_the_trainers_loss_allocates(precision):
 def test_inference_kv_cache_and_weights_are_what_the_engine_allocates(tp):
     """The paged KV cache the engine builds for 2 sequences of 8192 tokens on every layer of
     Llama-3-70B, and its bf16 weights, both built on the meta device (no memory)."""
-    from llmsplit.infer.kv_cache import PagedKVCache
+    from llmsplit.infer.runner.kv_cache import PagedKVCache
 
     cfg = preset_config("llama-3-70b")
     bd = inference_memory(cfg, Layout(tp=tp), Workload(seq_len=8192, global_batch=2, mode="infer"),

@@ -98,7 +98,7 @@ def test_adapters_served_over_tensor_and_pipeline_workers(runs, merged_tokens):
 def test_the_server_lists_the_adapters_and_the_model_field_picks_one(runs):
     from starlette.testclient import TestClient
 
-    from llmsplit.infer.server import Server
+    from llmsplit.infer.serve.server import Server
 
     base, a, b = runs
     served = llmsplit.load(base, device_map="cpu", max_batch=4, max_context=64, lora={"a": str(a), "b": str(b)})
@@ -158,16 +158,18 @@ def test_lora_flags_are_checked(runs, tmp_path):
 
 def test_a_node_started_with_other_adapters_than_node_0_is_refused(monkeypatch):
     """Every rank of a --tp/--pp split compares its --lora with node 0's, before loading anything."""
-    import llmsplit.infer.distributed as split
+    import llmsplit.infer.runner.split as split
     from llmsplit.errors import ConfigError
+    from llmsplit.infer.config import InferConfig
     from llmsplit.layout import Layout
 
     def node_0_serves(box, src):
         box[0] = (("a", "/runs/a"),)
 
     monkeypatch.setattr(split.dist, "broadcast_object_list", node_0_serves)
-    spec = split.SplitSpec("model", Layout(tp=2), torch.float32, 4, 4, 64)
+    spec = split.SplitSpec("model", InferConfig(tp=2), Layout(tp=2), torch.float32, 4, 64)
     with pytest.raises(ConfigError, match=r"started with --lora \(none\) but node 0 serves --lora a=/runs/a; start "
                                           r"every node with node 0's --lora flags"):
         split.same_adapters(spec)
-    split.same_adapters(split.SplitSpec("model", Layout(tp=2), torch.float32, 4, 4, 64, lora=(("a", "/runs/a"),)))
+    split.same_adapters(split.SplitSpec("model", InferConfig(tp=2, lora={"a": "/runs/a"}), Layout(tp=2), torch.float32,
+                                        4, 64))

@@ -15,9 +15,10 @@ from hf_models import make_hf_folder  # noqa: E402
 from llmsplit.errors import ConfigError  # noqa: E402
 from llmsplit.infer.chat import DEFAULT_STOP, TemplateError, chat_prompt  # noqa: E402
 from llmsplit.infer.engine import SamplingParams  # noqa: E402
-from llmsplit.infer import kv_cache, paged_attention  # noqa: E402
-from llmsplit.infer.kv_cache import PackedStep  # noqa: E402
-from llmsplit.infer.scheduler import QueueFull, Request, Scheduler, ShuttingDown  # noqa: E402
+from llmsplit.infer.engine import block_manager  # noqa: E402
+from llmsplit.infer.runner import paged_attention  # noqa: E402
+from llmsplit.infer.engine.step import PackedStep  # noqa: E402
+from llmsplit.infer.serve.engine_thread import EngineThread, QueueFull, Request, ShuttingDown  # noqa: E402
 from llmsplit.io.tokenizer import ByteTokenizer, read_chat_template  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -81,7 +82,7 @@ def test_abort_returns_blocks_wherever_the_sequence_is(model):
 
 
 def test_scheduler_bounds_the_queue_and_answers_each_request_once(model):
-    sched = Scheduler(model.engine, max_queue=2)
+    sched = EngineThread(model.engine, max_queue=2)
     events, lock = [], threading.Lock()
     ids = model.tokenizer.encode("x = 1")
 
@@ -112,7 +113,7 @@ def test_scheduler_bounds_the_queue_and_answers_each_request_once(model):
 
 
 def test_stop_fails_what_is_in_flight_and_frees_it(model):
-    sched = Scheduler(model.engine, max_queue=4)
+    sched = EngineThread(model.engine, max_queue=4)
     got = []
     sched.start()
     seq = sched.submit([model.tokenizer.encode("x")], SamplingParams(60, ignore_eos=True), got.append).seqs[0]
@@ -126,7 +127,7 @@ def test_stop_fails_what_is_in_flight_and_frees_it(model):
 
 
 def test_drain_lets_short_requests_finish_and_aborts_the_rest_at_the_deadline(model, monkeypatch):
-    sched = Scheduler(model.engine, max_queue=4)
+    sched = EngineThread(model.engine, max_queue=4)
     got, step = [], model.engine.step
     # 20 ms a step: the 60-token request outlasts the 0.3 s deadline, the 2-token one does not.
     monkeypatch.setattr(model.engine, "step", lambda: (time.sleep(0.02), step())[1])
@@ -194,7 +195,7 @@ def test_default_chat_template_and_template_errors():
 def test_the_time_limit_stops_a_python_loop_in_its_thread():
     import asyncio
 
-    from llmsplit.infer.time_limit import OffLoop, TimeLimitExceeded
+    from llmsplit.infer.serve.time_limit import OffLoop, TimeLimitExceeded
 
     def spin():
         while True:
@@ -234,7 +235,7 @@ def test_the_time_limit_stops_a_python_loop_in_its_thread():
 def test_an_unexpected_error_is_a_500_counted_in_metrics_and_draining_is_a_503(model, monkeypatch):
     from starlette.testclient import TestClient
 
-    from llmsplit.infer.server import Server
+    from llmsplit.infer.serve.server import Server
 
     def broken(text):
         raise RuntimeError("tokenizer broke")
@@ -275,7 +276,7 @@ def test_serving_over_nodes_refuses_flags_that_cannot_form_a_job(folder, flags, 
                                           (["--host", "127.0.0.1"], False), ([], False)])
 def test_serving_beyond_this_machine_without_a_key_warns(flags, warned, monkeypatch, capsys):
     from llmsplit import cli
-    from llmsplit.infer import server
+    from llmsplit.infer.serve import server
 
     monkeypatch.delenv("LLMSPLIT_API_KEY", raising=False)
     served = []
@@ -390,7 +391,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(fol
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(folder, monkeypatch):
     """Shortest first, but a context that waited while STARVE_TOKENS (here 64) tokens of
     others were filled goes first: a 100-token prompt under a new 12-token prompt every step."""
-    import llmsplit.infer.engine as engine
+    import llmsplit.infer.engine.scheduler as engine
 
     monkeypatch.setattr(engine, "STARVE_TOKENS", 64)
     m = llmsplit.load(folder, max_batch=16, max_context=128, max_num_batched_tokens=16)
@@ -416,7 +417,7 @@ def test_prompts_are_prefilled_together_in_the_decodes_forward(folder, monkeypat
     (a part costing 8 key slots here, so that they split)."""
     if in_place and not paged_attention.available():
         pytest.skip("no C++ compiler to build the paged kernel")
-    monkeypatch.setattr(kv_cache, "PART_COST_SLOTS", 8)
+    monkeypatch.setattr(block_manager, "PART_COST_SLOTS", 8)
     if not in_place:
         monkeypatch.setattr(paged_attention, "applies", lambda *a: False)
         monkeypatch.setattr(paged_attention, "available", lambda: False)
@@ -466,7 +467,7 @@ def test_tool_calls_written_in_the_text_become_openais_tool_calls():
     from types import SimpleNamespace
 
     from llmsplit.infer.chat import render_chat
-    from llmsplit.infer.replies import Reply
+    from llmsplit.infer.serve.replies import Reply
 
     def reply(text):
         seq = SimpleNamespace(text=text, finish_reason="stop", prompt=[1], tokens=[2])

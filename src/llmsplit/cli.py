@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from .allocator import reuse_freed_memory
+from .allocator import keep_freed_memory
 from .cli_args import build_parser
 from .errors import ConfigError
 from .launch import LaunchError
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_train(args) -> int:
     from .launch import claim_process_for_launching, under_torchrun
-    from .training import TrainingFailed, train
+    from .api import TrainingFailed, train
 
     if args.program and not under_torchrun():
         claim_process_for_launching()  # before anything here computes
@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
     from .infer.api import generation_context
     from .io.weights import open_weights
 
-    reuse_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
+    keep_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
@@ -86,8 +86,9 @@ def cmd_generate(args) -> int:
     prompt_tokens = len(prompt)
     if args.max_context is None:  # a cache for this one answer, not the model's whole context
         args.max_context = generation_context(prompt_tokens, args.max_new_tokens)
+    config = _infer_config(args, max_batch=1)
     try:
-        m = llmsplit.load(args.model, **_placement_kwargs(args), max_batch=1, source=source)
+        m = llmsplit.load(args.model, config, source=source)
     except infer_oom_errors() as e:
         failure = infer_failure(e, "loading the model")
     else:
@@ -95,7 +96,7 @@ def cmd_generate(args) -> int:
         failure = _print_generation(m, prompt, args)
         del m  # closed; what it held must be free before a failure is explained
     if failure is not None:  # outside `except`: the traceback no longer holds the half-loaded model
-        return _explain_infer_failure(args, failure, max_batch=1, min_context=prompt_tokens + 1)
+        return _explain_infer_failure(args, failure, config, min_context=prompt_tokens + 1)
     return 0
 
 
@@ -148,24 +149,24 @@ def _print_generation(m, prompt: list[int], args):
     return None
 
 
-def _placement_kwargs(args) -> dict:
-    """The placement flags of generate and serve (`cli_args._add_placement_args`) as `llmsplit.load` arguments."""
-    return dict(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir,
-                dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile,
-                quantize=args.quantize, kv_dtype=args.kv_dtype, tune_threads=True, n_cpu_moe=args.n_cpu_moe or 0)
+def _infer_config(args, **fields):
+    """The placement flags of generate and serve (`cli_args._add_placement_args`), with `fields`
+    (the command's own), as the `InferConfig` they load with."""
+    from .infer.config import InferConfig
+
+    return InferConfig(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir,
+                       dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile,
+                       quantize=args.quantize, kv_dtype=args.kv_dtype, tune_threads=True,
+                       n_cpu_moe=args.n_cpu_moe or 0, **fields)
 
 
-def _explain_infer_failure(args, failure, max_batch: int, min_context: int = 16) -> int:
+def _explain_infer_failure(args, failure, config, min_context: int = 16) -> int:
     """generate/serve out of memory: the placement's breakdown against the budgets and the
     changes of flags that fit (no context under `min_context`, which the prompt needs); exit 1."""
     from .diagnose.oom import explain_infer_failure
 
     serving = args.func is cmd_serve
-    report = explain_infer_failure(failure, args.model, device_map=args.device_map, max_memory=args.max_memory,
-                                   offload_dir=args.offload_dir, dtype=args.dtype, max_batch=max_batch,
-                                   max_context=args.max_context, max_batch_flag=serving,
-                                   min_context=min_context, kv_tokens=getattr(args, "kv_tokens", None),
-                                   quantize=args.quantize, kv_dtype=args.kv_dtype, n_cpu_moe=args.n_cpu_moe or 0)
+    report = explain_infer_failure(failure, args.model, config, max_batch_flag=serving, min_context=min_context)
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
     print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
     return 1
@@ -196,12 +197,12 @@ def _lora_runs(pairs: list[str]) -> dict[str, str]:
 
 def cmd_serve(args) -> int:
     from .diagnose.oom import infer_failure, infer_oom_errors
-    from .infer.placement import parse_size
+    from .plan.placement import parse_size
     from .launch import Nodes
 
-    reuse_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
+    keep_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     try:
-        from .infer.server import serve
+        from .infer.serve.server import serve
     except ImportError as e:
         raise ConfigError(f"llmsplit serve needs the [serve] extra ({e.name} is missing): "
                           f"pip install 'llmsplit[serve]'") from None
@@ -209,17 +210,18 @@ def cmd_serve(args) -> int:
         print(f"llmsplit: warning: --host {args.host} lets other machines connect and no --api-key is set, so "
               f"anyone who reaches this port can use the model; set --api-key or LLMSPLIT_API_KEY", file=sys.stderr)
     failure = None
+    config = _infer_config(args, max_batch=args.max_batch, kv_tokens=args.kv_tokens,
+                           prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+                           lora=_lora_runs(args.lora),
+                           nodes=Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port))
     try:
-        serve(args.model, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
+        serve(args.model, config, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
-              drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, max_batch=args.max_batch,
-              kv_tokens=args.kv_tokens, prefix_caching=args.prefix_caching,
-              max_num_batched_tokens=args.max_num_batched_tokens, lora=_lora_runs(args.lora),
-              nodes=Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port), **_placement_kwargs(args))
+              drain_timeout=args.drain_timeout, request_timeout=args.request_timeout)
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:
-        return _explain_infer_failure(args, failure, args.max_batch)
+        return _explain_infer_failure(args, failure, config)
     return 0
 
 
@@ -281,7 +283,7 @@ def cmd_plot(args) -> int:
 # ---------------------------------------------------------------- export
 
 def cmd_export(args) -> int:
-    from .infer.placement import parse_size
+    from .plan.placement import parse_size
     from .io.hf_export import export_hf
     from .io.peft_adapter import export_peft
 

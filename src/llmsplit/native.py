@@ -1,6 +1,6 @@
 """Small native kernels built at first use: the one way llmsplit builds and loads native code.
 
-Where PyTorch has no kernel for a job (paged attention, infer/paged_attention.py) or its
+Where PyTorch has no kernel for a job (paged attention, infer/runner/paged_attention.py) or its
 kernel is far from what the memory allows (an int4 matmul of few rows, quant/kernels.py),
 the job is a short C++ source file next to its Python module that registers an operator's CPU
 kernel (TORCH_LIBRARY_IMPL), built for this CPU (-march=native) against torch's own headers

@@ -169,43 +169,37 @@ def infer_oom_errors() -> tuple[type[BaseException], ...]:
     memory budgets before loading, or CUDA ran out."""
     import torch
 
-    from ..infer.placement import PlacementError
+    from ..plan.placement import PlacementError
 
     return PlacementError, torch.OutOfMemoryError
 
 
 def infer_failure(error: BaseException, where: str) -> InferFailure:
     """`error`, one of `infer_oom_errors()` raised while `where` ("loading the model", "generating")."""
-    from ..infer.placement import PlacementError
+    from ..plan.placement import PlacementError
 
     return InferFailure(None if isinstance(error, PlacementError) else infer_failure_from_cuda(error, where))
 
 
-def explain_infer_failure(failure: InferFailure, model, *, device_map, max_memory, offload_dir, dtype,
-                          max_batch: int, max_context: int | None, max_batch_flag: bool,
-                          min_context: int = 16, kv_tokens: int | None = None,
-                          quantize: str | None = None, kv_dtype: str | None = None, n_cpu_moe: int = 0) -> dict:
-    """`explain_infer_oom` (its report) for `failure` of `llmsplit.load(model, ...)` with these
-    arguments, on the memory budgets as they are once the failed load is gone. Call it after
-    leaving the `except` block (see `InferFailure`). `n_cpu_moe`: --n-cpu-moe's experts in CPU memory."""
+def explain_infer_failure(failure: InferFailure, model, config, *, max_batch_flag: bool,
+                          min_context: int = 16) -> dict:
+    """`explain_infer_oom` (its report) for `failure` of `llmsplit.load(model, config)` (an
+    `InferConfig`), on the memory budgets as they are once the failed load is gone. Call it
+    after leaving the `except` block (see `InferFailure`)."""
     import gc
 
     import torch
 
-    from ..infer.api import placement_mode, run_sizes
-    from ..infer.placement import detect_budgets
+    from ..infer.api import placement_inputs
     from ..io.weights import open_weights
 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # so that the budgets read below are the device's, not the failed load's
     source = open_weights(model)
-    _, sizes = run_sizes(source, dtype, max_batch, max_context, kv_tokens=kv_tokens, quantize=quantize,
-                         kv_dtype=kv_dtype)
-    sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
+    sizes, budgets, mode = placement_inputs(source, config)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return explain_infer_oom(source.config, sizes, detect_budgets(max_memory, offload_dir),
-                             placement_mode(device_map), failure.measured, offload_dir=offload_dir,
+    return explain_infer_oom(source.config, sizes, budgets, mode, failure.measured, offload_dir=config.offload_dir,
                              max_batch_flag=max_batch_flag, gpus=gpus, min_context=min_context)
 
 
@@ -214,13 +208,13 @@ def explain_infer_oom(cfg: LlamaConfig, sizes, budgets: dict, mode, failure: dic
     """Why a model does not fit for generation and the changes of flags that would: one flag
     where one is enough, else a few together (`_budget_changes`).
 
-    `sizes`/`budgets`/`mode` are what `infer.placement.place` was given; `failure` is None when
+    `sizes`/`budgets`/`mode` are what `plan.placement.place` was given; `failure` is None when
     placement refused the budgets before loading, else a measured CUDA stop
     (`infer_failure_from_cuda`). Every suggestion is checked by `place` itself on the same
     budgets (shrunk by measured/predicted for a measured stop, less MARGIN), so applying it
     makes the load fit. No --max-context below `min_context` (the prompt must fit) is offered.
     Returns {"text", "breakdown", "scale", "suggestions": [[flag, value, ...], ...]}."""
-    from ..infer.placement import MODES, PlacementError, fmt_bytes, kind, place, units, usage_by_device
+    from ..plan.placement import MODES, PlacementError, fmt_bytes, kind, place, units, usage_by_device
 
     exec_device = next((d for d in budgets if kind(d) not in ("cpu", "disk")), "cpu")
     on_one = {u: exec_device for u, _ in units(cfg, sizes.dtype_bytes)}
@@ -325,7 +319,7 @@ def _shrinks(sizes, fits, max_batch_flag: bool, min_context: int) -> list[list[t
 def _split_changes(cfg: LlamaConfig, sizes, budgets: dict, scale: float, gpus: int) -> list[tuple[str, str, str]]:
     """(flag, value, what it costs) for the fewest GPUs under --tp or --pp whose share of the
     model (the planner's inference memory, times `scale`) fits the smallest GPU budget."""
-    from ..infer.placement import kind
+    from ..plan.placement import kind
 
     accel_budgets = [v for d, v in budgets.items() if kind(d) not in ("cpu", "disk") and v is not None]
     if gpus <= 1 or not accel_budgets:

@@ -1,7 +1,9 @@
 """`llmsplit.load`: open any supported model, place it, and return the object users call.
 
-Placement (one process) or the split over workers (--tp/--pp) is decided here, once; the
-engine then drives whichever runner results.
+This is where the rooms meet: an `InferConfig` (config.py) says how; placement (one process)
+or the split over workers (--tp/--pp, runner/split.py) is decided here, once; the engine
+(engine/) then drives whichever runner (runner/) results. The server (serve/) reaches the
+model only through `load` and `follow`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import torch
 
 from ..errors import ConfigError
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
-from ..launch import Nodes
-from .distributed import SplitRunner, follow_node, split_layout, split_spec
+from ..parallel.mesh import ParallelDims
+from .config import InferConfig
 from .engine import Engine, SamplingParams
-from .kv_cache import KV_DTYPES, kv_element_bytes
-from .placement import MODES, Placement, Sizes, detect_budgets, place
-from .runner import PieceSpec, Runner
+from .runner.kv_cache import kv_element_bytes
+from ..plan.placement import MODES, Placement, Sizes, place
+from .runner.budgets import detect_budgets
+from .runner.runner import PieceSpec, Runner
+from .runner.split import SplitRunner, SplitSpec, follow_node, split_layout, stage_units
+
+__all__ = ["InferConfig", "LoadedModel", "follow", "generation_context", "load", "placement_inputs", "run_sizes"]
 
 
 class LoadedModel:
@@ -70,33 +76,39 @@ class LoadedModel:
         self._finalizer()
 
 
-def run_sizes(source, dtype, max_batch: int, max_context: int | None, block_size: int = 16,
-              kv_tokens: int | None = None, quantize: str | None = None, kv_dtype: str | None = None):
-    """(compute dtype, placement `Sizes`) for a load: what `load` places with, and what the
-    out-of-memory explainer (`diagnose/oom.py`) explains with. `kv_tokens`: the KV pool all
-    sequences share (default max_batch full contexts); blocks are taken as tokens arrive and
-    the engine preempts when it runs out, so a pool smaller than max_batch × max_context
-    serves max_batch sequences as long as they are shorter on average. Packed units count
-    their packed bytes (`quantize` as `load` takes it); the KV pool its elements' bytes
-    (`kv_dtype` "int8": 1 byte and a share of the scales, `kv_cache.kv_element_bytes`)."""
+def run_sizes(source, config: InferConfig):
+    """(compute dtype, placement `Sizes`) of loading `source` as `config` says: what `load`
+    places with, and what the out-of-memory explainer (`diagnose/oom.py`) explains with. The KV
+    pool all sequences share is `kv_tokens` (default max_batch full contexts); blocks are taken
+    as tokens arrive and the engine preempts when it runs out, so a pool smaller than
+    max_batch × max_context serves max_batch sequences as long as they are shorter on
+    average. Packed units count their packed bytes (`quantize`); the KV pool its elements'
+    bytes (`kv_dtype` "int8": 1 byte and a share of the scales, `kv_cache.kv_element_bytes`)."""
     from ..models.rope import dynamic_rope_limit
 
     # Dynamic NTK rope exists to run past max_position_embeddings; any other model stops there.
     dynamic = dynamic_rope_limit(source.config.rope_scaling) is not None
-    max_context = (max_context or 4096) if dynamic else min(max_context or 4096, source.config.max_seq_len)
-    if max_batch < 1 or max_context < 2 or block_size < 1:
-        raise ConfigError(f"max_batch {max_batch}, max_context {max_context} and block_size {block_size} "
-                          f"must be positive (max_context at least 2)")
-    if kv_tokens is not None and kv_tokens < max_context:
-        raise ConfigError(f"kv_tokens {kv_tokens} holds less than one sequence of max_context {max_context} "
+    max_context = config.max_context or 4096
+    max_context = max_context if dynamic else min(max_context, source.config.max_seq_len)
+    if max_context < 2:
+        raise ConfigError(f"max_context {max_context} must be at least 2 (this model holds "
+                          f"{source.config.max_seq_len} tokens)")
+    if config.kv_tokens is not None and config.kv_tokens < max_context:
+        raise ConfigError(f"kv_tokens {config.kv_tokens} holds less than one sequence of max_context {max_context} "
                           f"tokens; raise --kv-tokens or lower --max-context")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype {kv_dtype!r} is not one of: {', '.join(KV_DTYPES)} (default: the compute dtype)")
-    dtype = _dtype(dtype, source.dtype if torch.cuda.is_available() else torch.float32)
-    kv_bytes = kv_element_bytes(dtype.itemsize, source.config.head_dim, kv_dtype)
-    return dtype, Sizes(batch=max_batch, context=max_context, dtype_bytes=dtype.itemsize,
-                        kv_dtype_bytes=kv_bytes, kv_tokens=kv_tokens,
-                        packed_bytes=packed_unit_bytes(source, quantize))
+    dtype = _dtype(config.dtype, source.dtype if torch.cuda.is_available() else torch.float32)
+    kv_bytes = kv_element_bytes(dtype.itemsize, source.config.head_dim, config.kv_dtype)
+    return dtype, Sizes(batch=config.max_batch, context=max_context, dtype_bytes=dtype.itemsize,
+                        kv_dtype_bytes=kv_bytes, kv_tokens=config.kv_tokens,
+                        packed_bytes=packed_unit_bytes(source, _quantize_mode(config.quantize)),
+                        cpu_moe_layers=config.n_cpu_moe)
+
+
+def placement_inputs(source, config: InferConfig) -> tuple[Sizes, dict, object]:
+    """(sizes, budgets, mode) that placement is given for `source` under `config`: the public
+    account of a load's memory that the out-of-memory explainer reads (diagnose/oom.py)."""
+    _, sizes = run_sizes(source, config)
+    return sizes, detect_budgets(config.max_memory, config.offload_dir), placement_mode(config.device_map)
 
 
 def generation_context(prompt_tokens: int, max_new_tokens: int, block_size: int = 16) -> int:
@@ -112,128 +124,103 @@ def placement_mode(device_map):
     return {"": mode} if isinstance(mode, str) and mode not in MODES else mode
 
 
-def load(path, device_map="auto", max_memory=None, offload_dir=None, dtype=None, tp: int = 1, pp: int = 1,
-         max_batch: int = 4, max_context: int | None = None, block_size: int = 16, compile: bool = False, *,
-         quantize: str | None = None, kv_tokens: int | None = None, kv_dtype: str | None = None,
-         prefix_caching: bool = True,
-         max_num_batched_tokens: int | None = None, tune_threads: bool = False, source=None,
-         lora: dict[str, str] | None = None, nodes: Nodes = Nodes(), n_cpu_moe: int = 0) -> LoadedModel:
-    """`source`: what `io.weights.open_weights(path)` returned, when the caller opened the
-    model already (`llmsplit generate` does, to count the prompt's tokens before sizing).
-    `lora`: {name: LoRA run or PEFT adapter folder} adapters served over this base model together
-    (`Sequence.adapter` k runs with the k-th; `serve --lora NAME=RUN`), under --tp/--pp too.
-    `quantize`: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8" /
-    "int4" quantizes the float weights as they load, "none" widens everything to `dtype`.
-    `kv_dtype`: None keeps the KV cache in `dtype`; "int8" stores it as int8 with a scale per
-    (token, head), about 1/4 of float32's bytes and 1/2 of bfloat16's; "bfloat16" stores it as
-    bfloat16 and attention reads it widened to `dtype` (half of float32's bytes).
-    `nodes`: the machines a `--tp/--pp` split runs on; this is node 0 (the others run `follow`).
-    `n_cpu_moe`: keep the routed experts of the first N MoE layers in CPU memory (infer/cpu_experts.py)."""
+def load(path, config: InferConfig | None = None, *, source=None, **fields) -> LoadedModel:
+    """Load `path` (a training run folder or checkpoint, a Hugging Face folder, a GGUF file or
+    a PEFT adapter folder) as `config` says, with `fields` (InferConfig's) on top; see
+    `InferConfig` for each. `source`: what `io.weights.open_weights(path)` returned, when the
+    caller opened the model already (`llmsplit generate` does, to count the prompt's tokens
+    before sizing). Sequences run with the k-th served adapter of `lora` when `Sequence.adapter`
+    is k. With `nodes` of several machines this is node 0 (the others run `follow`)."""
+    config = InferConfig.of(config, **fields)
     source = source if source is not None else open_weights(path, what="model path")
     cfg = source.config
-    quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, kv_dtype)
-    max_context = sizes.context
-    if n_cpu_moe:
-        why = ("this model has no experts (model.n_experts=0); drop it" if not cfg.n_experts else
-               "it must be a positive count" if n_cpu_moe < 0 else
-               "it places experts in one process; drop --tp/--pp" if tp > 1 or pp > 1 or nodes.nnodes > 1 else None)
-        if why:
-            raise ConfigError(f"--n-cpu-moe {n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU memory, "
-                              f"and {why}")
-        sizes = replace(sizes, cpu_moe_layers=n_cpu_moe)
+    if config.n_cpu_moe and not cfg.n_experts:
+        raise ConfigError(f"--n-cpu-moe {config.n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU "
+                          f"memory, and this model has no experts (model.n_experts=0); drop it")
+    dtype, sizes, num_blocks = _sized(source, config)
     # Read (and checked against the model) here, before any worker starts; each worker reads its own part.
-    adapters = [run_adapters(run, f"--lora {name}", cfg) for name, run in (lora or {}).items()]
-    if tp > 1 or pp > 1 or nodes.nnodes > 1:
-        spec = _split(path, cfg, tp, pp, dtype, num_blocks, block_size, max_context, quantize, nodes,
-                      device_map=device_map, max_memory=max_memory, offload_dir=offload_dir, compile=compile,
-                      kv_dtype=kv_dtype, lora=lora)
-        if nodes.node_rank != 0:
-            raise ConfigError(f"--node-rank {nodes.node_rank} runs workers for node 0, which serves; "
+    adapters = [run_adapters(run, f"--lora {name}", cfg) for name, run in config.adapters]
+    if config.split:
+        spec = _split_spec(path, source, config, dtype, num_blocks, sizes.context)
+        if config.nodes.node_rank != 0:
+            raise ConfigError(f"--node-rank {config.nodes.node_rank} runs workers for node 0, which serves; "
                               f"call llmsplit.infer.api.follow there")
-        runner = SplitRunner(spec)
-        dmap = _split_map(cfg, spec)
-        placement = None
+        runner, placement, dmap = SplitRunner(spec), None, _split_map(cfg, spec)
     else:
-        budgets = detect_budgets(max_memory, offload_dir)
-        placement = place(cfg, budgets, placement_mode(device_map), sizes)
-        if "disk" in placement.device_map.values() and offload_dir is None:
+        placement = place(cfg, detect_budgets(config.max_memory, config.offload_dir),
+                          placement_mode(config.device_map), sizes)
+        if "disk" in placement.device_map.values() and config.offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
-        runner = Runner(source, PieceSpec(placement, dtype, num_blocks, block_size, max_context,
-                                          offload_dir=offload_dir, compile=compile, quantize=quantize,
-                                          tune_threads=tune_threads, kv_dtype=kv_dtype))
+        runner = Runner(source, PieceSpec(placement, dtype, num_blocks, config.block_size, sizes.context,
+                                          offload_dir=config.offload_dir, compile=config.compile,
+                                          quantize=_quantize_mode(config.quantize), tune_threads=config.tune_threads,
+                                          kv_dtype=config.kv_dtype))
         dmap = dict(placement.device_map)
-        if lora:
-            runner.serve_adapters(list(lora), [a for a, _ in adapters], [scale for _, scale in adapters])
+        if adapters:
+            runner.serve_adapters([n for n, _ in config.adapters], [a for a, _ in adapters], [s for _, s in adapters])
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
-    if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
-        raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} is less than max_batch {max_batch}: a "
-                          f"full batch of decodes would leave no room for prompts; raise it to at least {max_batch}")
-    engine = Engine(runner, source.tokenizer, eos, num_blocks, block_size, max_batch, max_context, prefix_caching,
-                    max_num_batched_tokens, one_decode_batch=compile or runner.decodes_in_place)
-    if compile:
-        _compile_decode_graphs(engine, max_batch)
-    return LoadedModel(engine, runner, placement, dmap, cfg, adapters=list(lora or {}))
+    engine = Engine(runner, source.tokenizer, eos, num_blocks, config.block_size, config.max_batch, sizes.context,
+                    config.prefix_caching, config.max_num_batched_tokens,
+                    one_decode_batch=config.compile or runner.decodes_in_place)
+    if config.compile:
+        _compile_decode_graphs(engine, config.max_batch)
+    return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters])
 
 
-def follow(path, nodes: Nodes, dtype=None, tp: int = 1, pp: int = 1, max_batch: int = 4,
-           max_context: int | None = None, block_size: int = 16, *, quantize: str | None = None,
-           kv_tokens: int | None = None, announce=None, **placement) -> None:
+def follow(path, config: InferConfig | None = None, *, announce=None, **fields) -> None:
     """Node `nodes.node_rank` > 0 of a `--tp/--pp` split over machines: run this node's
-    ranks until node 0's `load` (the same arguments) closes the model. The pool and the
-    split are sized here exactly as node 0 sizes them; `placement` holds `load`'s other
-    arguments (the placement ones checked as `load` checks them; the engine's, such as
+    ranks until node 0's `load` (the same config) closes the model. The pool and the split
+    are sized here exactly as node 0 sizes them (the engine's options, such as
     prefix_caching, apply on node 0 only). `announce(text)` hears what this node will do."""
+    config = InferConfig.of(config, **fields)
+    nodes = config.nodes
     nodes.check()
     if announce:
         announce(f"node {nodes.node_rank} of {nodes.nnodes} runs its workers for node 0 at "
                  f"{nodes.master_addr}:{nodes.master_port}, which serves")
     source = open_weights(path, what="model path")
-    quantize, dtype, sizes, num_blocks = _sized(source, dtype, max_batch, max_context, block_size, kv_tokens,
-                                                quantize, placement.get("kv_dtype"))
-    keys = ("device_map", "max_memory", "offload_dir", "compile", "kv_dtype", "lora")
-    spec = _split(path, source.config, tp, pp, dtype, num_blocks, block_size, sizes.context, quantize, nodes,
-                  **{k: placement[k] for k in keys if k in placement})
-    for name, run in (placement.get("lora") or {}).items():  # this node's own paths, checked before it starts
+    dtype, sizes, num_blocks = _sized(source, config)
+    spec = _split_spec(path, source, config, dtype, num_blocks, sizes.context)
+    for name, run in config.adapters:  # this node's own paths, checked before it starts
         run_adapters(run, f"--lora {name}", source.config)
     del source
     follow_node(spec)
 
 
-def _sized(source, dtype, max_batch: int, max_context, block_size: int, kv_tokens, quantize,
-           kv_dtype: str | None = None):
-    """(quantize mode, compute dtype, placement `Sizes`, KV pool blocks) of a load; the pool
-    is what placement budgeted for: kv_tokens, or max_batch full contexts."""
-    quantize = _quantize_mode(quantize)
-    dtype, sizes = run_sizes(source, dtype, max_batch, max_context, block_size, kv_tokens, quantize, kv_dtype)
-    num_blocks = -(-kv_tokens // block_size) if kv_tokens else max_batch * -(-sizes.context // block_size)
-    return quantize, dtype, sizes, num_blocks
+def _sized(source, config: InferConfig):
+    """(compute dtype, placement `Sizes`, KV pool blocks) of a load; the pool is what placement
+    budgeted for: kv_tokens, or max_batch full contexts."""
+    dtype, sizes = run_sizes(source, config)
+    bs = config.block_size
+    num_blocks = -(-config.kv_tokens // bs) if config.kv_tokens else config.max_batch * -(-sizes.context // bs)
+    return dtype, sizes, num_blocks
 
 
-def _split(path, cfg, tp: int, pp: int, dtype, num_blocks: int, block_size: int, max_context: int, quantize,
-           nodes: Nodes, device_map="auto", max_memory=None, offload_dir=None, compile: bool = False,
-           kv_dtype: str | None = None, lora: dict[str, str] | None = None):
-    """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused where it cannot run."""
-    if tp * pp == 1:
-        raise ConfigError(f"--nnodes {nodes.nnodes} splits the model over machines, which needs --tp or --pp "
-                          f"(their product is the workers of all nodes together); add one or drop --nnodes")
-    layout = split_layout(cfg, tp, pp, compile)
-    if max_memory or offload_dir or device_map not in (None, "auto"):
-        raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
-                          "--max-memory and --offload-dir")
-    return split_spec(path, layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype, lora)
+def _split_spec(path, source, config: InferConfig, dtype, num_blocks: int, max_context: int) -> SplitSpec:
+    """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused by the layout rules (the planner's
+    and training's) before any worker starts."""
+    quantize = _quantize_mode(config.quantize)
+    layout = split_layout(source.config, config.tp, config.pp, config.compile, _packing(source, quantize))
+    return SplitSpec(str(path), config, layout, dtype, num_blocks, max_context, quantize)
 
 
-def _quantize_mode(quantize) -> str:
-    from ..quant import MODES
+def _packing(source, quantize: str | None) -> str:
+    """How the layout rules judge this load's weights: "int4" where any stays packed as int4 (a
+    GGUF's own 4-bit blocks are kept unless everything is widened), else --quantize's mode."""
+    from ..models.weight_shapes import parameter_shapes
 
-    if quantize is not None and quantize not in MODES:
-        raise ConfigError(f"quantize {quantize!r} is not one of: {', '.join(MODES)}")
+    if quantize != "none" and hasattr(source, "packed_kind"):
+        if any(source.packed_kind(name) == "int4" for name, _ in parameter_shapes(source.config)):
+            return "int4"
+    return quantize or "none"
+
+
+def _quantize_mode(quantize) -> str | None:
+    """What the weights are read as on this machine: a GPU widens a GGUF's packed weights (they
+    need the CPU kernels) and refuses quantizing at load."""
     if torch.cuda.is_available() and quantize in ("int8", "int4"):
         raise ConfigError(f"--quantize {quantize} runs on the CPU kernels only in this version; drop it on a GPU machine")
-    if torch.cuda.is_available():
-        return "none"  # a GGUF's packed weights need the CPU kernels
-    return quantize
+    return "none" if torch.cuda.is_available() else quantize
 
 
 def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
@@ -244,18 +231,15 @@ def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
     params = SamplingParams(2, ignore_eos=True)  # a prefill, then one decode step (at position 3 or 4)
     for prompts in [[[3, 4, 5]]] + ([[[3, 4, 5], [6, 7, 8, 9]]] if max_batch > 1 else []):
         engine.generate([engine.new_sequence(p, params) for p in prompts])
-    engine.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
+    engine.scheduler.prompt_tokens = engine.sampled_tokens = 0  # the server's counters start from real requests
 
 
-def _split_map(cfg, spec) -> dict[str, str]:
-    from .distributed import stage_units
-
-    layout = spec.layout
-    tp, pp, dmap = layout.tp, layout.pp, {}
-    for stage in range(pp):
-        ranks = list(range(stage * tp, (stage + 1) * tp))
-        where = ", ".join(f"{spec.device(r)} (rank {r})" for r in ranks)
-        dmap.update({u: where for u in stage_units(cfg, layout, stage)})
+def _split_map(cfg, spec: SplitSpec) -> dict[str, str]:
+    """Each module's devices and ranks: a stage's units live on the ranks of its place on the mesh."""
+    dims, dmap = ParallelDims.from_layout(spec.layout), {}
+    for stage in range(spec.layout.pp):
+        where = ", ".join(f"{spec.device(r)} (rank {r})" for r in dims.ranks(pp=stage))
+        dmap.update({u: where for u in stage_units(cfg, spec.layout, stage)})
     return dmap
 
 

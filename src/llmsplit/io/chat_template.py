@@ -5,7 +5,7 @@ place where Jinja templates run, for prompts (infer/chat.py) and for training da
 The template comes from the tokenizer files or GGUF metadata; a model without one (a training
 run, a base model) gets a plain "Role: text" transcript, which is also Jinja so both go one way.
 Templates run in Jinja's immutable sandbox because they arrive with downloaded model files; the
-server renders them off its event loop under a time limit (infer/time_limit.py), which stops any
+server renders them off its event loop under a time limit (infer/serve/time_limit.py), which stops any
 loop, and the sandbox here refuses the single operations no time limit can stop: `**` and `*`
 whose result would be huge (`9**9**9` runs in C for hours; Jinja would even fold it while
 compiling).

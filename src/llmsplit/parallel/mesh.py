@@ -53,6 +53,20 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    def ranks(self, **coords: int) -> list[int]:
+        """The global ranks at these coordinates of the mesh (e.g. `ranks(pp=1)`: stage 1's),
+        numbered as `init_device_mesh` numbers them: row-major over DIMS. The one place the
+        rank order is written, for what needs it without a process group (a device map)."""
+        sizes = [getattr(self, d) for d in DIMS]
+        found = []
+        for rank in range(self.world_size):
+            rest, at = rank, {}
+            for dim, size in zip(reversed(DIMS), reversed(sizes)):
+                at[dim], rest = rest % size, rest // size
+            if all(at[d] == v for d, v in coords.items()):
+                found.append(rank)
+        return found
+
 
 class Mesh:
     def __init__(self, dims: ParallelDims, device_type: str):

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over the engine (`llmsplit serve`).
 
 The event loop only parses and relays: chat templates and tokenizing run in worker threads
-under a time limit (time_limit.py), a `Scheduler` thread owns the engine and batches every
+under a time limit (time_limit.py), an `EngineThread` owns the engine and batches every
 live request (continuous batching), and text comes back to each request's asyncio queue as
 the engine makes it final. One process serves; with --tp/--pp it is rank
 0 of the split model and its worker processes follow the scheduler's steps.
@@ -30,15 +30,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ConfigError
-from .chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
+from ...errors import ConfigError
+from ..chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
+from ..config import InferConfig
+from ..engine import SamplingParams
+from ..engine.grammar import Grammars
 from .edge import Gate, TimedH11Protocol, bind
-from .engine import SamplingParams
-from .grammar import Grammars
+from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .replies import Reply, forced_call_schema
-from .scheduler import QueueFull, Request as Work, Scheduler, ShuttingDown
 from .time_limit import OffLoop, TimeLimitExceeded
 
 RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
@@ -82,7 +83,7 @@ class Server:
         self.statuses: dict[int, int] = {}
         self.prometheus = ServeMetrics(self)
         # The engine from here on is the scheduler's: submit, abort and stats are all the server uses.
-        self.scheduler = Scheduler(model.engine, max_queue, on_latency=self.prometheus.observe)
+        self.scheduler = EngineThread(model.engine, max_queue, on_latency=self.prometheus.observe)
         self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self.scheduler.eos_ids)
         self.created = int(time.time())
         self.app = self._app(api_key, max_body, request_timeout)
@@ -314,16 +315,16 @@ def _encode_all(tokenizer, prompts) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
-def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, api_key: str | None = None,
-          max_queue: int = 64, max_body: int = 1 << 20, drain_timeout: float = 30.0, request_timeout: float = 10.0,
-          **load_kwargs) -> None:
-    """Load the model (`llmsplit.load` arguments in load_kwargs) and serve it until SIGTERM/Ctrl-C.
-    On a node other than node 0 (load_kwargs' `nodes`), run this node's workers instead, until
-    node 0 stops."""
-    from .api import follow, load
+def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
+          name: str | None = None, api_key: str | None = None, max_queue: int = 64, max_body: int = 1 << 20,
+          drain_timeout: float = 30.0, request_timeout: float = 10.0, **fields) -> None:
+    """Load the model as `config` (with InferConfig `fields` on top) says and serve it until
+    SIGTERM/Ctrl-C. On a node other than node 0 (the config's `nodes`), run this node's workers
+    instead, until node 0 stops."""
+    from ..api import follow, load
 
-    nodes = load_kwargs.get("nodes")
-    follower = nodes is not None and nodes.node_rank > 0
+    config = InferConfig.of(config, **fields)
+    follower = config.nodes.node_rank > 0
     sock = None if follower else bind(host, port)
     if threading.current_thread() is threading.main_thread():
         # uvicorn drains on SIGTERM, then re-raises it; exiting through SystemExit instead of
@@ -331,10 +332,9 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8000, name: str | Non
         previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         if follower:  # node 1.. of --nnodes: this node's share of the workers, no HTTP
-            follow(model_path, announce=lambda text: print(f"llmsplit: {text}", file=sys.stderr, flush=True),
-                   **load_kwargs)
+            follow(model_path, config, announce=lambda text: print(f"llmsplit: {text}", file=sys.stderr, flush=True))
             return
-        model = load(model_path, **load_kwargs)
+        model = load(model_path, config)
         try:
             name = name or _default_name(model_path)
             where = sock.getsockname()

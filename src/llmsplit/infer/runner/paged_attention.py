@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .. import native
+from ... import native
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 KINDS = (torch.float32, torch.bfloat16, torch.int8)  # the pool dtypes the kernels read

@@ -20,7 +20,7 @@ import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .protocol import APIError
 
 log = logging.getLogger("llmsplit.serve")

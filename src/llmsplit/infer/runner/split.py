@@ -24,28 +24,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..allocator import reapply_choice, reuse_freed_memory
-from ..errors import ConfigError
-from ..launch import Followers, Nodes
-from ..layout import Layout, Workload, check, stage_layers
-from ..parallel.mesh import Mesh, ParallelDims
-from .kv_cache import PackedStep
-from .placement import Placement
+from ...allocator import keep_freed_memory, reapply_choice
+from ...errors import ConfigError
+from ...launch import Followers, Nodes
+from ...layout import Layout, Workload, check, stage_layers
+from ...parallel.mesh import Mesh, ParallelDims
+from ..config import InferConfig
+from ..engine.step import PackedStep
+from ...plan.placement import Placement
 from .runner import PieceSpec, Runner
 
 
 @dataclass(frozen=True)
 class SplitSpec:
+    """What every worker of a split needs: the model's path and the whole `InferConfig`, and
+    what node 0 derived from them (the checked layout, the compute dtype, the KV pool's blocks,
+    the context, the weights' packing on this machine)."""
     path: str
+    config: InferConfig
     layout: Layout
     dtype: torch.dtype
     num_blocks: int
-    block_size: int
     max_context: int
     quantize: str | None = None
-    nodes: Nodes = Nodes()
-    kv_dtype: str | None = None
-    lora: tuple[tuple[str, str], ...] = ()  # (name, LoRA run or PEFT folder) served over the model (`--lora`)
 
     @property
     def tp(self) -> int:
@@ -59,16 +60,25 @@ class SplitSpec:
     def world(self) -> int:
         return self.layout.world
 
+    @property
+    def nodes(self) -> Nodes:
+        return self.config.nodes
+
+    @property
+    def lora(self) -> tuple[tuple[str, str], ...]:
+        return self.config.adapters
+
     def device(self, rank: int) -> str:
         """The device of worker `rank`: its own GPU when its machine has one per local worker, else the CPU."""
         per_node = self.nodes.per_node(self.world)
         return rank_device(rank % per_node, per_node)
 
 
-def split_layout(cfg, tp: int, pp: int, compile: bool = False) -> Layout:
-    """The layout of `--tp/--pp` (with --compile), refused by the same rules training and the planner use."""
+def split_layout(cfg, tp: int, pp: int, compile: bool = False, quantize: str = "none") -> Layout:
+    """The layout of `--tp/--pp` (with --compile, weights packed as `quantize`), refused by the
+    same rules training and the planner use."""
     layout = Layout(tp=tp, pp=pp, sequence_parallel=False)
-    check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer", compile=compile))
+    check(cfg, layout, Workload(seq_len=1, global_batch=1, mode="infer", compile=compile, quantize=quantize))
     return layout
 
 
@@ -89,7 +99,7 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     """This rank's place on the job's mesh and its piece of the model. The mesh comes
     first: its groups are made by every rank together, so none may fail before them (a
     rank that dies loading is then reported by rank 0's watch, not awaited in a collective)."""
-    from ..io.weights import open_weights
+    from ...io.weights import open_weights
 
     device = spec.device(dist.get_rank())
     if device.startswith("cuda"):
@@ -100,10 +110,10 @@ def _load_piece(spec: SplitSpec) -> tuple[Runner, Mesh]:
     source = open_weights(spec.path)
     cfg = source.config
     placement = Placement({u: device for u in stage_units(cfg, spec.layout, stage)}, device, {}, {})
-    runner = Runner(source, PieceSpec(placement, spec.dtype, spec.num_blocks, spec.block_size, spec.max_context,
+    runner = Runner(source, PieceSpec(placement, spec.dtype, spec.num_blocks, spec.config.block_size, spec.max_context,
                                       tp_rank=tp_rank, tp_size=spec.tp, tp_group=mesh.group("tp"),
                                       layers=stage_layers(cfg, spec.layout)[stage], quantize=spec.quantize,
-                                      kv_dtype=spec.kv_dtype))
+                                      kv_dtype=spec.config.kv_dtype))
     _serve_adapters(runner, spec)
     return runner, mesh
 
@@ -122,7 +132,7 @@ def same_adapters(spec: SplitSpec) -> None:
 def _serve_adapters(runner: Runner, spec: SplitSpec) -> None:
     """Every rank applies the adapters rank 0 serves, each reading them itself (as it reads its
     weights) and keeping its stage's and shard's part (`Runner.serve_adapters`)."""
-    from ..io.weights import run_adapters
+    from ...io.weights import run_adapters
 
     if spec.lora:
         adapters = [run_adapters(path, f"--lora {name}", runner.cfg) for name, path in spec.lora]
@@ -161,7 +171,7 @@ def _step(runner: Runner, mesh: Mesh, tokens: torch.Tensor, step, last_only: boo
 
 def _follow(spec: SplitSpec) -> None:
     """A follower rank: load its piece, then run the steps rank 0 broadcasts until it says stop."""
-    reuse_freed_memory()  # a worker of generate/serve: its steps reuse their memory (allocator.py)
+    keep_freed_memory()  # a worker of generate/serve: its steps reuse their memory (allocator.py)
     runner, mesh = _load_piece(spec)
     dist.barrier()
     while True:
@@ -217,14 +227,3 @@ class SplitRunner:
         self.runner.close()
         self.followers.close()
         self.followers = None
-
-
-def split_spec(path: str, layout: Layout, dtype, num_blocks: int, block_size: int, max_context: int,
-               quantize: str | None = None, nodes: Nodes = Nodes(), kv_dtype: str | None = None,
-               lora: dict[str, str] | None = None) -> SplitSpec:
-    nodes.check()
-    if nodes.nnodes > 1 and layout.world % nodes.nnodes:
-        raise ConfigError(f"--nnodes {nodes.nnodes} must divide the {layout.world} workers of --tp {layout.tp} "
-                          f"--pp {layout.pp} (each node runs as many); change --nnodes, --tp or --pp")
-    return SplitSpec(str(path), layout, dtype, num_blocks, block_size, max_context, quantize, nodes, kv_dtype,
-                     tuple((name, str(run)) for name, run in (lora or {}).items()))

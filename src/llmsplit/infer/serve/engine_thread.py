@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine import Engine, SamplingParams, Sequence
+from ..engine import Engine, SamplingParams, Sequence
 
 log = logging.getLogger("llmsplit.serve")
 
@@ -48,7 +48,7 @@ class Request:
     sink: Callable[[tuple], None]
 
 
-class Scheduler:
+class EngineThread:
     def __init__(self, engine: Engine, max_queue: int, on_latency: Callable[[bool, float], None] | None = None):
         self._engine = engine
         engine.on_latency = on_latency  # (first token?, seconds): the metrics' histograms

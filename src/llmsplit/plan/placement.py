@@ -1,4 +1,4 @@
-"""Device maps from memory budgets: which device holds each part of the model.
+"""Device maps from memory budgets: which device holds each part of the model for generation.
 
 `place` is a pure function of the model config and the budgets, so it is tested with fake
 budgets of several GPUs. Unlike Accelerate's `infer_auto_device_map`, which counts weights
@@ -10,19 +10,20 @@ are brought to the execution device one layer at a time, so the execution device
 pays for their KV cache and for two layers of staging (the running one and the prefetched one).
 
 Units, in model order: `tok_embeddings`, `layers.0` … `layers.{n-1}`, `norm`, `output`.
-`Sizes.cpu_moe_layers` keeps MoE layers' experts in CPU memory, charged there (cpu_experts.py).
+`Sizes.cpu_moe_layers` keeps MoE layers' experts in CPU memory, charged there (the runner's
+cpu_experts.py runs them). A pure model of memory, beside the planner: the inference runner
+places with it, the out-of-memory explainer (diagnose/oom.py) re-places with it; the budgets
+themselves are measured on the machine by the runner (infer/runner/budgets.py).
 """
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..io.procfs import proc_bytes
 from ..models.llama import LlamaConfig
-from .cpu_experts import cpu_expert_layers
 
 GiB = 1 << 30
 MODES = ("auto", "balanced", "sequential")
@@ -326,7 +327,7 @@ def normalize_device(dev) -> str:
     raise ConfigError(f"device {dev!r} is not one of: cpu, disk, cuda:N, mps")
 
 
-# ---------------------------------------------------------------- budgets (not pure: they ask the machine)
+# ---------------------------------------------------------------- sizes as users write them
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -360,37 +361,6 @@ def parse_max_memory(spec, what: str = "--max-memory") -> dict[str, int]:
     return out
 
 
-def available_cpu_bytes() -> int:
-    return proc_bytes("/proc/meminfo", "MemAvailable") or 8 * GiB
-
-
-def detect_budgets(max_memory=None, offload_dir=None) -> dict[str, int | None]:
-    """Budgets from --max-memory, else from LLMSPLIT_GPU_COUNT / LLMSPLIT_GPU_MEMORY_LIMIT and
-    the free memory each device reports; "disk" only when an offload folder is given."""
-    import torch
-
-    if max_memory:
-        budgets = parse_max_memory(max_memory)
-        budgets = {d: budgets[d] for d in sorted(budgets, key=lambda d: (kind(d) in ("cpu", "disk"), d == "disk", d))}
-    else:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if os.environ.get("LLMSPLIT_GPU_COUNT"):
-            try:
-                count = min(count, int(os.environ["LLMSPLIT_GPU_COUNT"]))
-            except ValueError:
-                raise ConfigError(f"LLMSPLIT_GPU_COUNT={os.environ['LLMSPLIT_GPU_COUNT']!r} is not a number") from None
-        limit = os.environ.get("LLMSPLIT_GPU_MEMORY_LIMIT")
-        limit = parse_size(limit, "LLMSPLIT_GPU_MEMORY_LIMIT") if limit else None
-        budgets = {}
-        for i in range(count):
-            free, _ = torch.cuda.mem_get_info(i)
-            budgets[f"cuda:{i}"] = min(free, limit) if limit else free
-        budgets["cpu"] = available_cpu_bytes()
-    if offload_dir is not None:
-        budgets["disk"] = None
-    return budgets
-
-
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "unlimited"
@@ -398,3 +368,11 @@ def fmt_bytes(n: int | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def cpu_expert_layers(cfg: LlamaConfig, dmap: dict[str, str], n: int, resident: Callable[[str], bool]) -> list[int]:
+    """The first `n` layers (all of them when n ≥ n_layers) whose experts stay in CPU memory
+    (--n-cpu-moe), of those resident on their device (`resident`; an offloaded layer streams whole)."""
+    if not cfg.n_experts:
+        return []
+    return [i for i in range(min(n, cfg.n_layers)) if f"layers.{i}" in dmap and resident(dmap[f"layers.{i}"])]

@@ -6,7 +6,9 @@ needs is read from the weight source (tensor-parallel ranks read just their slic
 placed on its device. Tensor parallelism is applied the way gpt-fast does it, by slicing
 the weights and summing the partial outputs of the attention output and MLP down
 projections with an all-reduce: at inference there are no gradients, so DTensor's
-bookkeeping would only add per-op overhead to every decode step.
+bookkeeping would only add per-op overhead to every decode step. Which weights split, and
+along which dim, is the one tensor-parallel plan training and the planner read
+(layout/tp_plan.py: `tp_shard`).
 """
 
 from __future__ import annotations
@@ -19,31 +21,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import native
-from ..errors import ConfigError
-from ..io.weights import read_weight
-from ..models.llama import Transformer
-from ..models.rope import model_rope_tables
-from ..threads import ThreadTuner
+from ... import native
+from ...allocator import give_back_freed_memory, keep_freed_memory
+from ...errors import ConfigError
+from ...io.weights import read_weight
+from ...layout import INFER_EXPERT_DIMS, tp_shard
+from ...models.llama import Transformer
+from ...models.rope import model_rope_tables
+from ...plan.placement import Placement
+from ...threads import ThreadTuner
+from ..engine.step import PackedStep, Step
 from .cpu_experts import experts_on_cpu
-from .heap import give_back_freed_memory, keep_freed_memory
-from .kv_cache import PackedStep, PagedKVCache, Step
+from .kv_cache import PagedKVCache
 from .offload import Offloader, set_parameter
-from .placement import Placement
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, read_vocab_shard
-
-# Column-parallel (split output rows, dim 0) and row-parallel (split inputs, dim 1) weights.
-_COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.",
-            "shared.w1.", "shared.w3.")
-_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
-# A MoE layer's stacked experts ([experts, out, in]): each expert split like a dense MLP (its
-# hidden width over the tp ranks), so every rank computes 1/tp of every routed token whatever
-# the routing, and the layer's routed and shared outputs are summed by one all-reduce, as a
-# dense MLP's. Keeping whole experts per rank instead would be expert parallel: tokens sent
-# between ranks (all-to-all) and ranks idle or overloaded as the router chooses.
-_EXPERTS = {"feed_forward.w1": 1, "feed_forward.w3": 1, "feed_forward.w2": 2}
-_EXPERT_KEYS = tuple(_EXPERTS)  # their names within a layer
-
 
 @dataclass
 class PieceSpec:
@@ -62,19 +53,6 @@ class PieceSpec:
     tune_threads: bool = False  # choose the thread count as it decodes (llmsplit/threads.py)
     quantize: str | None = None  # io.weights.read_weight: which weights stay packed
     kv_dtype: str | None = None  # "int8": the KV pool stores int8 with scales (kv_cache.PagedKVCache)
-
-
-def tp_shard(name: str, rank: int, size: int):
-    if size == 1:
-        return None
-    expert = next((dim for suffix, dim in _EXPERTS.items() if name.endswith(suffix)), None)
-    if expert is not None:
-        return (expert, rank, size)
-    if any(p in name for p in _COLWISE):
-        return (0, rank, size)
-    if name.endswith(_ROWWISE):
-        return (1, rank, size)
-    return None
 
 
 def fuse_projections(layers) -> None:
@@ -183,7 +161,7 @@ class Runner:
                 continue
             cpu_experts = unit in {f"layers.{i}" for i in spec.placement.cpu_experts}
             for key, t in tensors.items():
-                set_parameter(module, key, t.to("cpu" if cpu_experts and key in _EXPERT_KEYS else dev))
+                set_parameter(module, key, t.to("cpu" if cpu_experts and key in INFER_EXPERT_DIMS else dev))
             if cpu_experts:  # --n-cpu-moe: this layer's experts run where they are kept
                 module.feed_forward.dispatch = experts_on_cpu
             if unit.startswith("layers."):
@@ -213,7 +191,7 @@ class Runner:
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype, spec.kv_dtype)
         self._decode = self._compiled_decode() if spec.compile else None
         self.bank = None  # the LoRA adapters served over this model (`serve_adapters`), if any
-        if exec_device.type == "cpu":  # loaded: from here on steps reuse the memory they free (infer/heap.py)
+        if exec_device.type == "cpu":  # loaded: from here on steps reuse the memory they free (allocator.py)
             keep_freed_memory()
 
     @property
@@ -228,7 +206,7 @@ class Runner:
         A's columns of a row-parallel one (B whole), whose partial update the layer's
         all-reduce then sums with its partial product. The adapted layers run their
         projections one by one again (not fused), so that each projection's hook sees its own output."""
-        from ..adapters.bank import AdapterBank
+        from ...adapters.bank import AdapterBank
 
         pieces = []
         for state in adapters:

@@ -2,27 +2,16 @@
 (llama.cpp's `--n-cpu-moe N`: the experts of the first N layers). The experts are most of a
 MoE model's bytes and each token reads only k of them, so the CPU's memory holds them and its
 cores run them on the few rows routed there; attention, the router and the KV cache stay on
-the accelerator. Placement charges the CPU for these experts (placement.usage_by_device);
+the accelerator. Placement charges the CPU for these experts (plan/placement.py: usage_by_device);
 the runner loads them there and sets `experts_on_cpu` as the layer's `MoE.dispatch`, the hook
 the plain model leaves for running its experts elsewhere (expert parallel uses it too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from ..models.llama import LlamaConfig
-from ..models.moe import MoE, grouped_swiglu
-
-
-def cpu_expert_layers(cfg: LlamaConfig, dmap: dict[str, str], n: int, resident: Callable[[str], bool]) -> list[int]:
-    """The first `n` layers (all of them when n ≥ n_layers) whose experts stay in CPU memory,
-    of those resident on their device (`resident`; an offloaded layer streams whole)."""
-    if not cfg.n_experts:
-        return []
-    return [i for i in range(min(n, cfg.n_layers)) if f"layers.{i}" in dmap and resident(dmap[f"layers.{i}"])]
+from ...models.moe import MoE, grouped_swiglu
 
 
 def experts_on_cpu(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

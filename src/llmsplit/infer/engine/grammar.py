@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 CACHED_GRAMMARS = 64  # compiled schemas kept, least recently used dropped first
 

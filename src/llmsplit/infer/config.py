@@ -1,0 +1,119 @@
+"""`InferConfig`: everything `llmsplit.load`, `generate`, `serve`, `follow` and the split workers
+take, in one dataclass validated once when it is made (as the training config is by
+`config.validate`). The command line maps its flags onto these fields (cli.py); the split
+workers receive it whole. What needs the model itself (its context length, whether it has
+experts) is checked where the model is opened (api.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from ..errors import ConfigError
+from ..launch import Nodes
+from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own packing
+
+KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
+
+
+@dataclass(frozen=True)
+class InferConfig:
+    """How to load and run a model for generation.
+
+    device_map: "auto" | "balanced" | "sequential" | a device ("cpu", "cuda:1") | {module: device}.
+    max_memory: {"cuda:0": "20GiB", "cpu": "64GiB"} or "cuda:0=20GiB,cpu=64GiB"; what does not
+    fit goes to `offload_dir` on disk. dtype: the compute dtype (default float32 on CPU, the
+    model's on GPU). tp, pp: worker processes (tensor / pipeline parallel), on `nodes`.
+    max_batch: sequences at once; max_context: tokens a sequence holds (default the model's,
+    up to 4096); block_size: tokens a KV block; kv_tokens: the KV pool all sequences share
+    (default max_batch full contexts). compile: torch.compile the decode step. quantize: None
+    keeps a GGUF's own int4/int8 packed (other models stay float), "int8"/"int4" quantize the
+    float weights as they load, "none" widens everything. kv_dtype: None keeps the KV cache in
+    the compute dtype, "int8" stores int8 with a scale per (token, head), "bfloat16" half of
+    float32's bytes. prefix_caching: share the KV blocks of common prompt starts.
+    max_num_batched_tokens: tokens one step computes at most. tune_threads: pick the CPU thread
+    count as it decodes. lora: {name: LoRA run or PEFT folder} served over the model.
+    n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory."""
+    device_map: str | dict = "auto"
+    max_memory: str | dict | None = None
+    offload_dir: str | None = None
+    dtype: object = None  # a torch.dtype or its name ("float32", "bf16", ...)
+    tp: int = 1
+    pp: int = 1
+    max_batch: int = 4
+    max_context: int | None = None
+    block_size: int = 16
+    compile: bool = False
+    quantize: str | None = None
+    kv_tokens: int | None = None
+    kv_dtype: str | None = None
+    prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    tune_threads: bool = False
+    lora: dict | None = None
+    nodes: Nodes = field(default_factory=Nodes)
+    n_cpu_moe: int = 0
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_split()
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ConfigError(f"quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE)}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype {self.kv_dtype!r} is not one of: {', '.join(KV_DTYPES)} "
+                              f"(default: the compute dtype)")
+        if self.n_cpu_moe < 0:
+            raise ConfigError(f"--n-cpu-moe {self.n_cpu_moe} keeps the experts of mixture-of-experts layers in "
+                              f"CPU memory, and it must be a positive count")
+
+    def _check_sizes(self) -> None:
+        if self.max_batch < 1 or self.block_size < 1 or (self.max_context is not None and self.max_context < 2):
+            raise ConfigError(f"max_batch {self.max_batch}, max_context {self.max_context} and block_size "
+                              f"{self.block_size} must be positive (max_context at least 2)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch:
+            raise ConfigError(f"max_num_batched_tokens {self.max_num_batched_tokens} is less than max_batch "
+                              f"{self.max_batch}: a full batch of decodes would leave no room for prompts; raise it "
+                              f"to at least {self.max_batch}")
+
+    def _check_split(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ConfigError(f"--tp {self.tp} and --pp {self.pp} count worker processes; give each at least 1")
+        if self.nodes.nnodes > 1 and self.tp * self.pp == 1:
+            raise ConfigError(f"--nnodes {self.nodes.nnodes} splits the model over machines, which needs --tp or "
+                              f"--pp (their product is the workers of all nodes together); add one or drop --nnodes")
+        if not self.split:
+            return
+        if self.n_cpu_moe:
+            raise ConfigError(f"--n-cpu-moe {self.n_cpu_moe} keeps the experts of mixture-of-experts layers in CPU "
+                              f"memory, and it places experts in one process; drop --tp/--pp")
+        if self.max_memory or self.offload_dir or self.device_map not in (None, "auto"):
+            raise ConfigError("--tp/--pp place each worker's part on its own device; drop --device-map, "
+                              "--max-memory and --offload-dir")
+        self.nodes.check()
+        world = self.tp * self.pp
+        if self.nodes.nnodes > 1 and world % self.nodes.nnodes:
+            raise ConfigError(f"--nnodes {self.nodes.nnodes} must divide the {world} workers of --tp {self.tp} "
+                              f"--pp {self.pp} (each node runs as many); change --nnodes, --tp or --pp")
+
+    @property
+    def split(self) -> bool:
+        """Whether the model runs over worker processes (--tp/--pp, on one machine or several)."""
+        return self.tp > 1 or self.pp > 1 or self.nodes.nnodes > 1
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """(name, LoRA run or PEFT folder) of every served adapter, in order."""
+        return tuple((name, str(run)) for name, run in (self.lora or {}).items())
+
+    @staticmethod
+    def of(config: InferConfig | None = None, **overrides) -> InferConfig:
+        """`config` (default: every default) with `overrides`, refusing a name that is no field."""
+        if config is not None and not isinstance(config, InferConfig):
+            raise ConfigError(f"config must be an llmsplit.InferConfig, not {type(config).__name__}; pass other "
+                              f"options by name (device_map=..., max_memory=...)")
+        known = {f.name for f in fields(InferConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)} is not an option of llmsplit.load; the options are the fields "
+                              f"of llmsplit.InferConfig: {', '.join(sorted(known))}")
+        return replace(config, **overrides) if config is not None else InferConfig(**overrides)
