@@ -1,5 +1,5 @@
 """Serving under load, side by side: `llmsplit serve` against its previous engine (a checkout
-of an older commit, `LLMSPLIT_PREVIOUS_SRC`, default /work/wt/prev/src) and llama.cpp's
+of an older commit, `LLMSPLIT_PREVIOUS_SRC`, default /work/wt/prev/src, run with the same flags) and llama.cpp's
 `llama-server` (`LLAMA_SERVER`, default the peers build) on the same GGUF file, with as many
 slots as llmsplit has batch rows.
 
@@ -18,6 +18,7 @@ quick mode a small random Llama with a lighter load.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -40,6 +41,8 @@ NARROW_KV = "bfloat16"  # the second llmsplit row's --kv-dtype
 # trade a budget makes: prompts fill in fewer steps, while each running stream waits a longer step).
 EXTRA_BUDGETS = [int(b) for b in os.environ.get("SERVE_BUDGETS", "").split(",") if b.strip()]
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
+# SERVE_ONLY="llmsplit,previous engine": run only these rows (names as in the table).
+ONLY = {name.strip() for name in os.environ.get("SERVE_ONLY", "").split(",") if name.strip()}
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
                                                                  "/build/bin/llama-server"))
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -222,16 +225,20 @@ def main(quick: bool = False) -> dict:
         for tokens in EXTRA_BUDGETS:
             systems[f"llmsplit --max-num-batched-tokens {tokens}"] = lambda log, tokens=tokens: _llmsplit(
                 model, log, here, clients, context, "--max-num-batched-tokens", str(tokens))
-        if not quick and (PREVIOUS / "llmsplit").is_dir():
-            systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context)
+        if not quick and (PREVIOUS / "llmsplit").is_dir():  # the same flags as the llmsplit row
+            systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context, *budget)
         if not quick and gguf is not None and LLAMA_SERVER.exists():
             systems["llama-server"] = lambda log: _llama_server(model, log, clients, context)
+        if ONLY:  # SERVE_ONLY: a side-by-side of some rows (e.g. a change against the commit before it)
+            systems = {name: start for name, start in systems.items() if name in ONLY}
         runs: dict[str, list[dict]] = {name: [] for name in systems}
         loads = []
         for r in range(rounds):
             jobs = workload(clients, seed=r, vocab=vocab, prompt=prompt, new=new)
             loads.append(os.getloadavg()[0])
-            for name, start in systems.items():  # alternating: every system sees every round's load
+            order = list(systems.items())
+            # Alternating: every system sees every round's load, first on even rounds, last on odd ones.
+            for name, start in (order if r % 2 == 0 else order[::-1]):
                 proc, url = start(tmp / f"{name}-{r}.log")
                 try:
                     _one(url, jobs[0][0][:8], 2)  # warm-up
@@ -240,10 +247,12 @@ def main(quick: bool = False) -> dict:
                     _stop(proc)
                 print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)
         extra = {"prefix": None, "json_schema": None}
-        if not quick:  # the json_schema check needs xgrammar and jsonschema
+        if not quick:
             proc, url = _llmsplit(model, tmp / "extra.log", here, clients, context, *budget)
             try:
-                extra["prefix"], extra["json_schema"] = _prefix(url, vocab), _json_schema(url, 100)
+                # The json_schema check needs xgrammar (the server's) and jsonschema (this side's).
+                checkable = all(importlib.util.find_spec(m) for m in ("xgrammar", "jsonschema"))
+                extra["prefix"], extra["json_schema"] = _prefix(url, vocab), _json_schema(url, 100) if checkable else None
             finally:
                 _stop(proc)
         # A pool for 8 whole sequences under 32 clients: blocks on demand, preemption, no failure.
