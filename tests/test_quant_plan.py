@@ -116,3 +116,21 @@ def test_a_tp_split_that_cuts_groups_is_named():
     assert packed_split_problem(cfg, 8, "int4") == (
         "--quantize int4 under --tp 8 splits attention.wo's 128 inputs into 16 per rank, not whole groups of 32; "
         "use --tp in 1, 2 or --quantize int8")
+
+
+def test_plan_and_generate_refuse_a_group_cutting_split_with_one_sentence(tmp_path, capsys):
+    """ffn 672 under --tp 2: 336 inputs of feed_forward.w2 a rank, not whole int4 groups. `plan`
+    and `generate` refuse it through the same layout rule, exit 2, before any worker starts."""
+    import time
+
+    folder = make_hf_folder(tmp_path / "ffn672", num_hidden_layers=1, intermediate_size=672)
+    sentence = ("--quantize int4 under --tp 2 splits feed_forward.w2's 672 inputs into 336 per rank, not whole "
+                "groups of 32; use --tp 1 or --quantize int8")
+    assert main(["plan", "--model", str(folder), "--gpus", "2", "--mode", "infer", "--quantize", "int4",
+                 "--layout", "tp=2"]) == 2
+    assert sentence in capsys.readouterr().err
+    started = time.monotonic()
+    assert main(["generate", "--model", str(folder), "--tp", "2", "--quantize", "int4", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert sentence in err and len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - started < 5  # no worker was started (they take seconds to come up)
