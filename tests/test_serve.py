@@ -25,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 
 from hf_models import make_hf_folder  # noqa: E402
 from helpers import run_cli  # noqa: E402
+from netns import hosts  # noqa: E402
 from llmsplit.launch import free_port  # noqa: E402
 
 KEY = "sk-test-key"
@@ -52,16 +53,17 @@ def folder(tmp_path_factory):
 
 
 @contextmanager
-def live_server(folder, tmp_path, *flags):
-    """Start `llmsplit serve --port 0`, yield (base URL, process); SIGTERM it at the end."""
+def live_server(folder, tmp_path, *flags, prefix=()):
+    """Start `llmsplit serve --port 0` (after the command `prefix`: another host's network
+    namespace), yield (base URL, process); SIGTERM it at the end."""
     log = tmp_path / f"serve-{time.monotonic_ns()}.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "llmsplit", "serve", "--model", str(folder), "--port", "0",
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "llmsplit", "serve", "--model", str(folder), "--port", "0",
                                  "--request-timeout", str(TIMEOUT), *flags], stdout=subprocess.DEVNULL, stderr=err,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 120
-        while not (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        while not (m := re.search(r"at (http://[\d.]+:\d+)/v1", log.read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         yield m.group(1), proc, log
@@ -455,19 +457,26 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout(folder, tmp_path):
 
 @pytest.mark.slow
 def test_serving_split_over_two_nodes_answers_like_one_process(server, folder, tmp_path):
-    """--tp 2 --pp 2 over two "nodes" on loopback, started as users start them: node 0 serves
-    HTTP and holds the first stage (ranks 0-1, a tensor-parallel pair with a local follower),
-    node 1 runs the second stage's ranks 2-3; both exit 0 once node 0 is stopped."""
+    """--tp 2 --pp 2 over two hosts of their own network stacks (network namespaces, tests/netns.py;
+    loopback where they cannot be made), started as users start them: node 0 serves HTTP and
+    holds the first stage (ranks 0-1, a tensor-parallel pair with a local follower), node 1 runs
+    the second stage's ranks 2-3; both exit 0 once node 0 is stopped."""
     want = client(server).completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
-    port = free_port()
-    split = ("--tp", "2", "--pp", "2", "--nnodes", "2", "--master-port", str(port))
+    with hosts(2) as made:
+        _serve_on_two_nodes(folder, tmp_path, want, made)
+
+
+def _serve_on_two_nodes(folder, tmp_path, want: str, made) -> None:
+    prefixes, master = ([p for p, _ in made], made[0][1]) if made else ([[], []], "127.0.0.1")
+    split = ("--tp", "2", "--pp", "2", "--nnodes", "2", "--master-addr", master, "--master-port", str(free_port()))
     node1_log = tmp_path / "node1.log"
     with open(node1_log, "w") as err:  # started first: it waits for node 0's store to come up
-        node1 = subprocess.Popen([sys.executable, "-m", "llmsplit", "serve", "--model", str(folder), *split,
-                                  "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=err)
+        node1 = subprocess.Popen([*prefixes[1], sys.executable, "-m", "llmsplit", "serve", "--model", str(folder),
+                                  *split, "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=err)
     try:
-        with live_server(folder, tmp_path, *split, "--node-rank", "0", "--api-key", KEY) as (url, proc, log):
+        with live_server(folder, tmp_path, *split, "--node-rank", "0", "--api-key", KEY, "--host", master,
+                         prefix=prefixes[0]) as (url, proc, log):
             c = client(url)
             got = c.completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0,
                                        extra_body={"ignore_eos": True})

@@ -80,6 +80,7 @@ def _launcher_checks(master_addr: str | None, master_port: int | None) -> list[C
         return out
     local = _is_local(ip)
     out.append(Check("OK", "master address", f"{addr} -> {ip} ({'this machine' if local else 'another machine'})"))
+    out.append(_interface_check(addr, port))
     if port is None:
         return out
     if local:
@@ -99,6 +100,27 @@ def _launcher_checks(master_addr: str | None, master_port: int | None) -> list[C
             out.append(Check("FAIL", "master port", f"cannot connect to {ip}:{port} ({e.strerror or e})",
                              "start node 0 first, and open the port in the firewall between the machines"))
     return out
+
+
+def _interface_check(addr: str, port: int | None) -> Check:
+    """The interface and address this node's collectives would use for a job whose master is
+    `addr` (launch/network.py): what its peers must be able to reach."""
+    from ..launch.network import IFNAME_VARIABLES, collective_interface
+
+    chosen = {v: os.environ[v] for v in IFNAME_VARIABLES if os.environ.get(v)}
+    if chosen:
+        return Check("OK", "interface", ", ".join(f"{k}={v}" for k, v in chosen.items()) + " (set by you)")
+    name, source = collective_interface(addr, port)
+    if name is None:
+        return Check("WARN", "interface", f"no interface found that routes to {addr}",
+                     "set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface other nodes reach this on")
+    # A master named by a network address but reached through loopback is this machine under
+    # another name: other machines would be told a loopback address.
+    looped = (source.startswith("127.") or source == "::1") and not (addr.startswith("127.") or addr == "localhost")
+    return Check("WARN" if looped else "OK", "interface",
+                 f"{name} ({source}): the route to {addr}, which llmsplit binds gloo/NCCL to across nodes",
+                 "other machines cannot reach a loopback address; pass node 0's network address as --master-addr"
+                 if looped else "")
 
 
 def _is_local(ip: str) -> bool:

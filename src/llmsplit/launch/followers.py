@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .workers import LaunchError, attempt_store, check_master_addr, doctor_hint, failure_error, join_job, prepare_workers
+from .workers import (LaunchError, attempt_store, check_master_addr, doctor_hint, failure_error, join_job,
+                      prepare_workers, use_master_route)
 
 _JOINED = "llmsplit/followers_joined"
 
@@ -87,6 +88,7 @@ class Followers:
 
         ranks = nodes.ranks(world)
         method, threads = prepare_workers(len(ranks), [entrypoint.__module__])
+        use_master_route(nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port)
         timeout = timedelta(seconds=timeout_s)
         self.nodes, self.world, self.store = nodes, world, None
         if nodes.node_rank == 0:  # the job's store; on the other nodes the followers reach it themselves

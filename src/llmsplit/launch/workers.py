@@ -8,7 +8,9 @@ import importlib
 import json
 import logging
 import os
+import re
 import socket
+import sys
 import uuid
 from datetime import timedelta
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
+from .network import bind_collectives_to_master_route
 
 
 class LaunchError(RuntimeError):
@@ -87,8 +90,20 @@ def check_master_addr(addr: str, port: int | None) -> None:
 
 def doctor_hint(addr: str, port: int) -> str:
     return (f"start the same command on every node (same --nnodes, --master-addr, --master-port; node 0 first), "
-            f"check that node 0's firewall lets port {port} in, and run `llmsplit doctor --master-addr {addr} "
-            f"--master-port {port}` on each node")
+            f"check that node 0's firewall lets port {port} in, set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on "
+            f"GPUs) on a node whose peers reach it through another interface than its route to {addr}, and run "
+            f"`llmsplit doctor --master-addr {addr} --master-port {port}` on each node")
+
+
+def use_master_route(nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> None:
+    """Across machines, bind this node's collectives to its route to the master (launch/network.py)
+    and say which interface that is: the one thing a peer needs to reach this node."""
+    if nnodes > 1:
+        name = bind_collectives_to_master_route(master_addr, master_port)
+        if name is not None:
+            print(f"llmsplit: node {node_rank}: collectives on interface {name}, the route to the master "
+                  f"{master_addr} (set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose another)",
+                  file=sys.stderr, flush=True)
 
 
 def under_torchrun() -> bool:
@@ -198,8 +213,19 @@ def failure_error(failures: dict, doing: str = "") -> LaunchError:
     that failed first, its last line, and what its exception carried (worker_entry)."""
     rank, detail = _root_failure(failures)
     carried = _carried(failures[rank])
-    return LaunchError(f"worker rank {rank} failed{doing}: {detail}", error_type=carried.get("type"),
-                       details=carried.get("details"))
+    return LaunchError(f"worker rank {rank} failed{doing}: {detail}", _unreachable_peer_hint(detail),
+                       error_type=carried.get("type"), details=carried.get("details"))
+
+
+def _unreachable_peer_hint(detail: str) -> str | None:
+    """What to do when gloo could not reach the address a peer advertised: that address came
+    from the peer's choice of interface (launch/network.py), so name the variable that sets it."""
+    m = re.search(r"connectFullMesh failed.*remote=\[([^\]]+)\]", detail)
+    if m is None:
+        return None
+    return (f"a worker could not connect to {m.group(1)}, the address a peer advertised; on every node set "
+            f"GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other nodes reach it on "
+            f"(`llmsplit doctor --master-addr ADDR --master-port PORT` shows each node's)")
 
 
 def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]]:
@@ -260,6 +286,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         master_port = free_port()
     method, threads = prepare_workers(nproc, [entrypoint.__module__, *preload])
     os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
+    use_master_route(nnodes, node_rank, master_addr, master_port)
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}",
