@@ -60,14 +60,37 @@ def train(run_dir: Path, *sets: str, nproc: int = 1, extra: tuple[str, ...] = ()
     return run_cli(*args, *extra, **kw)
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+class Trace(list):
+    """A run's loss at every step (the list), and its gradient norm at every step (`grad_norms`),
+    sliced together: AdamW rescales each update, so a gradient off by a constant factor (a
+    missing divide-by-dp, a gradient summed twice) barely moves the loss; the norm shows it."""
+
+    def __init__(self, losses, grad_norms):
+        super().__init__(losses)
+        self.grad_norms = list(grad_norms)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Trace(list.__getitem__(self, index), self.grad_norms[index])
+        return list.__getitem__(self, index)
+
+
+def losses(run_dir: Path) -> Trace:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return Trace([r["loss"] for r in rows], [r.get("grad_norm") for r in rows])
 
 
 def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    """Loss at every step within `rtol` (relative); for two runs' `Trace`s, the gradient norm too."""
     assert len(got) == len(want), (got, want)
     for step, (a, b) in enumerate(zip(got, want), 1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+    if isinstance(got, Trace) and isinstance(want, Trace):
+        for step, (a, b) in enumerate(zip(got.grad_norms, want.grad_norms), 1):
+            if a is None or b is None:
+                continue  # a step that logged no norm (none does today)
+            assert abs(a - b) <= rtol * abs(b), (f"step {step}: grad norm {a} vs {b} "
+                                                 f"(rel {abs(a - b) / max(abs(b), 1e-30):.2e})")
 
 
 # Modules the template process imports once. Importing them starts no thread and runs no
