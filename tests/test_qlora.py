@@ -177,7 +177,8 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
     z3 = losses(tmp_path / "z3")
     # Losses to 1e-5 and step 1's gradient norm; from step 2 the adapters' gradient norm over the NF4
     # base is 0.7-0.9% off the dequantized copy's (z3 0.5458 vs 0.5422, --auto 0.5729 vs 0.5780, measured
-    # 2026-12-06) under every layout, not yet explained: left for issue 49.
+    # 2026-12-06) under every layout. Likely what test_families measured for gemma3 under tp (rounding
+    # amplified by AdamW's near-sign first updates at a large lr: here 3e-2); not yet checked at a small lr.
     assert_close_losses(list(z3), list(want))
     assert_close_losses(z3[:1], want[:1])
     summary = json.loads((tmp_path / "z3" / "summary.json").read_text())
