@@ -225,7 +225,8 @@ def chat_body(content="Hi", **fields):
         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_tokens", 5), ("repetition_penalty", 1.2)]],
     *[(f"unsupported chat {field}", dict(json=chat_body(**{field: value}), path=CHAT, param=field), 400)
       for field, value in [
-        ("logprobs", True), ("top_logprobs", 2), ("functions", [{"name": "f"}])]],
+        ("logprobs", True), ("top_logprobs", 2), ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"})]],
     ("unknown response_format", dict(json=chat_body(response_format={"type": "yaml"}), path=CHAT,
                                      param="response_format.type"), 400),
     ("tool_choice without tools", dict(json=chat_body(tool_choice="required"), path=CHAT, param="tool_choice"), 400),
@@ -245,7 +246,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, nam
 def test_default_values_of_unsupported_fields_are_accepted(server):
     # Clients that send every field with its default must not be refused.
     body = chat_body(max_tokens=2, n=1, logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
-                     logit_bias={}, tools=[], response_format={"type": "text"}, seed=2**64 - 1)
+                     logit_bias={}, tools=[], response_format={"type": "text"}, seed=2**64 - 1, modalities=["text"],
+                     audio=None)
     r = httpx.post(f"{server}{CHAT}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200, r.text
 

@@ -34,6 +34,7 @@ UNSUPPORTED: dict[str, Any] = {
     "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "min_tokens": 0,
     "functions": [], "function_call": "none",  # the deprecated names of tools / tool_choice
     "repetition_penalty": 1, "min_p": 0,  # vLLM's extensions, next to its top_k and ignore_eos
+    "modalities": ["text"], "audio": None,  # spoken answers: this server writes text only
 }
 HINTS = {"n": "; send n separate requests"}
 
