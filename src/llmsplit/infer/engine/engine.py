@@ -84,7 +84,7 @@ class Engine:
 
     def stats(self) -> dict:
         """What the engine holds and has done, for the server's /metrics and /health (read on
-        the engine's own thread: the scheduler hands out a copy)."""
+        the engine's own thread: the server's engine thread hands out a copy)."""
         pool, sched = self.pool, self.scheduler
         reserved, used = pool.usage()
         return {"running": len(sched.running), "queued": len(sched.waiting),

@@ -43,7 +43,7 @@ class ShuttingDown(RuntimeError):
 class Request:
     """A submitted request: its sequences (read their tokens and text once they finish)."""
     seqs: list[Sequence]
-    # Called on the scheduler thread with ("text", index, piece) when streaming,
+    # Called on the engine thread with ("text", index, piece) when streaming,
     # ("finish", index, seq) or ("error", message).
     sink: Callable[[tuple], None]
 
@@ -67,7 +67,7 @@ class EngineThread:
         self._stats = engine.stats()  # as of the last step, read by any thread
         self.finished_requests = 0
         self.failed_requests = 0
-        self._thread = threading.Thread(target=self._run, name="llmsplit-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="llmsplit-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

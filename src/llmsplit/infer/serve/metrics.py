@@ -1,6 +1,6 @@
 """The server's `/metrics`, in Prometheus' text format through `prometheus_client`.
 
-Counts and gauges are read from the server, scheduler and engine when Prometheus scrapes
+Counts and gauges are read from the server, engine thread and engine when Prometheus scrapes
 (a custom collector: nothing to keep in step), and the latencies are histograms the engine
 feeds as tokens come out: time to first token (from the moment the sequence is created,
 after its prompt is tokenized, to its first sampled token, queueing included) and the time
@@ -30,7 +30,7 @@ class ServeMetrics:
         self.registry.register(_Live(server))
 
     def observe(self, first: bool, seconds: float) -> None:
-        """The engine's latency hook (scheduler thread): a first token, or the next one."""
+        """The engine's latency hook (engine thread): a first token, or the next one."""
         (self.ttft if first else self.itl).observe(seconds)
 
     def render(self) -> bytes:
@@ -38,7 +38,7 @@ class ServeMetrics:
 
 
 class _Live:
-    """What the server, its scheduler and engine count right now."""
+    """What the server, its engine thread and engine count right now."""
 
     def __init__(self, server):
         self.server = server

@@ -4,7 +4,7 @@ The event loop only parses and relays: chat templates and tokenizing run in work
 under a time limit (time_limit.py), an `EngineThread` owns the engine and batches every
 live request (continuous batching), and text comes back to each request's asyncio queue as
 the engine makes it final. One process serves; with --tp/--pp it is rank
-0 of the split model and its worker processes follow the scheduler's steps.
+0 of the split model and its worker processes follow the engine's steps.
 
 Safety at the edge (edge.py, before any parsing): /v1 routes need the API key when one is
 set, bodies are capped in size, heads and bodies must arrive within the request timeout, and
