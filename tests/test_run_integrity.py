@@ -1,8 +1,9 @@
 """A run folder is used by one run at a time, a full disk is named as such, retention never
 keeps a stale checkpoint over the one just written, a cut-off metrics line does not stop a
-resume, and a resume notices other inputs than the checkpoint's (issue 21 items 3, 4, 5, 8;
-issue 22 item 4). The checksum, path and resume-refusal cases that need a trained
-checkpoint are in test_checkpoint_resume.py, next to the run they damage."""
+resume, a resume notices other inputs than the checkpoint's, and a run folder's record is
+never overwritten (issue 21 items 3, 4, 5, 8; issue 22 item 4; issue 52 item 4). The
+checksum, path and resume-refusal cases that need a trained checkpoint are in
+test_checkpoint_resume.py, next to the run they damage."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def test_retention_keeps_the_new_checkpoint_whatever_later_ones_there_are(one_ra
 
 
 def test_a_save_that_never_finished_is_no_checkpoint_to_keep(tmp_path):
-    """`--resume auto` refuses to start over only when there are checkpoints to lose: a
-    `.step_N.tmp` alone (a crash or a full disk during the first save) is not one."""
+    """`--resume auto` counts no `.step_N.tmp` among the checkpoints it refuses to lose: one
+    alone (a crash or a full disk during the first save) is not a checkpoint."""
     from llmsplit.errors import ConfigError
     from llmsplit.io.run_dir import usable_checkpoint
 
@@ -166,11 +167,14 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_one_run_per_folder_and_a_run_killed_before_its_first_step_starts_again(tmp_path, capsys):
+def test_one_run_per_folder_and_its_record_is_never_overwritten(tmp_path, capsys):
     """A run in progress (held at its first step) locks its folder: a second run and a
     `--resume auto` of it exit 2 naming the holder, and nothing of the first is touched.
     Killed (-9), it leaves a lock file naming a dead process, which does not hold the
-    folder; having never finished a step, the folder takes a new run."""
+    folder; having never finished a step, the folder takes a new run. That run finished,
+    its checkpoints lost, neither `--resume auto` (it started at step 0 over metrics.jsonl
+    and summary.json) nor `--resume none` starts it over; `--overwrite` does, and the old
+    run is found in previous/<time>/ byte for byte."""
     run = tmp_path / "run"
     args = ["train", "--nproc", "1", "--run-dir", str(run), *[a for s in TINY for a in ("--set", s)]]
     with open(tmp_path / "first.err", "w") as err_file:
@@ -192,6 +196,31 @@ def test_one_run_per_folder_and_a_run_killed_before_its_first_step_starts_again(
     proc = train(run, *TINY, "train.steps=1")
     assert "holds a run that never finished a step; starting it again" in proc.stderr
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    (run / "tensorboard").mkdir()  # stands for train.tensorboard's event files
+    (run / "tensorboard" / "events.out").write_bytes(b"old events")
+    record = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert {Path("metrics.jsonl"), Path("summary.json"), Path("config.toml")} <= set(record)
+    for extra, said in ((["--resume", "auto"], f"--resume auto: --run-dir {str(run)!r} holds a run but no checkpoint "
+                         f"in {str(run / 'checkpoints')!r} to continue it from; pass another --run-dir for a new run, "
+                         f"or --resume none --overwrite to start this one over (the old run is moved into "
+                         f"{str(run / 'previous')!r})"),
+                        ([], f"--run-dir {str(run)!r} already holds a run; pass --resume auto to continue it, "
+                         f"--overwrite to start it over (the old run is moved into {str(run / 'previous')!r}), or "
+                         f"another --run-dir")):
+        assert main(args + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"llmsplit: error: {said}"], err
+        assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} \
+            == record
+    proc = train(run, *TINY, "train.steps=2", extra=("--overwrite",))
+    [moved] = (run / "previous").iterdir()
+    assert f"llmsplit: --overwrite: moved the run that {run} held into {moved}; starting it over" in proc.stderr
+    assert {p.relative_to(moved): p.read_bytes() for p in moved.rglob("*") if p.is_file()} == record
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert not (run / "tensorboard").exists()
 
 
 @pytest.mark.slow

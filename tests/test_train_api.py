@@ -70,3 +70,8 @@ def test_arguments_that_cannot_work_are_refused_before_any_worker():
         llmsplit.train(None, nproc=0)
     with pytest.raises(ConfigError, match="--resume auto needs --run-dir"):
         llmsplit.train(None, resume="auto")
+    with pytest.raises(ConfigError, match="--overwrite needs --run-dir"):
+        llmsplit.train(None, overwrite=True)
+    with pytest.raises(ConfigError, match="--overwrite starts --run-dir over from step 0 and cannot go with "
+                                          "--resume auto; pass --resume none --overwrite, or drop --overwrite"):
+        llmsplit.train(None, run_dir="runs/never-made", resume="auto", overwrite=True)

@@ -25,7 +25,7 @@ OOM_HINT = "apply one of the changes above with --set (or raise memory.limit_byt
 def train(config: str | Path | Config | None = None, nproc: int | None = None, run_dir: str | Path | None = None,
           resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int = 1, node_rank: int = 0,
           master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
-          resume_changed: bool = False) -> TrainResult:
+          resume_changed: bool = False, overwrite: bool = False) -> TrainResult:
     """Train as `config` says (a .toml path, a `Config`, or None: the tiny model on the
     built-in corpus) on `nproc` local worker processes, or as one rank inside torchrun.
 
@@ -34,14 +34,18 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
     `resume`: "none", "auto" (the newest checkpoint in `run_dir`) or a run folder or
     checkpoint; a resume whose tokenizer, data, sequence length, global batch or seed differ
     from the checkpoint's is refused unless `resume_changed` (summary.json then records the
-    change). Returns a `TrainResult`: run_dir, summary (summary.json's content), final_loss,
-    micro_batch (the one the run trained with), plan_check, per_rank. Raises `ConfigError`
-    before any worker starts when the run cannot work (a damaged checkpoint, a run folder in
-    use by another run), `TrainingFailed` (with `hint`, and the measured `out_of_memory`
-    figures and the planner's `explanation` when it ran out) when a worker fails.
+    change). `overwrite` (with `resume="none"`) starts `run_dir` over when it holds a run,
+    which is refused otherwise: the old run is moved into `run_dir`/previous/<UTC time>/,
+    never truncated. Returns a `TrainResult`: run_dir, summary (summary.json's content),
+    final_loss, micro_batch (the one the run trained with), plan_check, per_rank. Raises
+    `ConfigError` before any worker starts when the run cannot work (a damaged checkpoint, a
+    run folder in use by another run, or holding a run that a fresh start would overwrite),
+    `TrainingFailed` (with `hint`, and the measured `out_of_memory` figures and the
+    planner's `explanation` when it ran out) when a worker fails.
     """
     job = prepare_job(config, overrides, run_dir, resume,
-                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed)
+                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed,
+                      overwrite)
     if auto:
         _apply_auto(job)
     check_job(job)

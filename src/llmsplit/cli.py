@@ -54,7 +54,7 @@ def cmd_train(args) -> int:
         result = train(args.config, args.nproc, args.run_dir, args.resume, overrides=overrides, auto=args.auto,
                        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                        master_port=args.master_port, max_restarts=args.max_restarts,
-                       resume_changed=args.resume_changed)
+                       resume_changed=args.resume_changed, overwrite=args.overwrite)
     except TrainingFailed as e:
         print(f"llmsplit: training failed: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return 1

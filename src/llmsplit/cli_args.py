@@ -78,6 +78,9 @@ def _add_train(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume-changed", action="store_true",
                    help="resume although data.seq_len, train.global_batch, train.seed, the tokenizer or the data "
                         "differ from the checkpoint's (refused by default); summary.json records what changed")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --resume none: start a --run-dir that holds a run over from step 0 (refused by "
+                        "default); the old run is moved into RUN_DIR/previous/<UTC time>/, not truncated")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the [parallel]/[memory] keys and train.micro_batch for these devices")
     p.add_argument("--profile", type=COUNT, metavar="STEPS", help="trace STEPS steps with torch.profiler into "

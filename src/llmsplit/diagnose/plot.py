@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..io.run_dir import PLOTS_DIR
 
 
 def _read_run(run_dir: Path) -> tuple[list[dict], dict | None]:
@@ -29,7 +30,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     run_dir = Path(run_dir)
     rows, summary = _read_run(run_dir)
-    out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    out_dir = Path(out_dir) if out_dir else run_dir / PLOTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in rows]
     written = []

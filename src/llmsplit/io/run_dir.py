@@ -21,7 +21,11 @@ from ..errors import ConfigError
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # train.tensorboard: the event files
+PROFILE_DIR = "profile"  # --profile: the traces and their summary
+PLOTS_DIR = "plots"  # `llmsplit plot`
 SUMMARY_FILE = "summary.json"
+# Where --overwrite moves the record of the run a folder held before it started over.
+PREVIOUS_DIR = "previous"
 STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -96,7 +100,8 @@ def usable_checkpoint(ck_dir: str | Path) -> tuple[Path | None, list[tuple[Path,
     if newest is None and any(not path.name.startswith(".") for path, _ in skipped):
         listed = "; ".join(f"{p.name}: {why}" for p, why in skipped)
         raise ConfigError(f"--resume auto: no checkpoint in {str(ck_dir)!r} can be used ({listed}); resume from "
-                          f"a good copy with --resume PATH, or move these away to start the run again from step 0")
+                          f"a good copy with --resume PATH, or start the run over from step 0 with --resume none "
+                          f"--overwrite (which moves them and the run's records aside)")
     return newest, skipped
 
 
@@ -143,18 +148,60 @@ def finished_steps(run_dir: str | Path) -> bool:
     """Whether the run in `run_dir` got anywhere: a logged step, a checkpoint (finished or
     not) or a summary. A run that failed before its first step (a wrong tokenizer, a
     worker that could not start) leaves only config.toml and may be started again."""
-    run_dir = Path(run_dir)
-    if (run_dir / SUMMARY_FILE).exists() or _has_logged_step(run_dir / METRICS_FILE):
-        return True
+    return holds_record(run_dir) or bool(_checkpoint_folders(run_dir))
+
+
+def holds_record(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` logged a step or wrote summary.json: what starting it
+    again from step 0 would overwrite."""
+    # is_file: a record is a file (a summary.json pointed at /dev/full by a test is none).
+    return (Path(run_dir) / SUMMARY_FILE).is_file() or _has_logged_step(Path(run_dir) / METRICS_FILE)
+
+
+def _checkpoint_folders(run_dir: Path) -> list[Path]:
+    """The checkpoint folders (finished or not) of the run that config.toml describes."""
     try:
         ck_dir = checkpoint_dir(read_run_config(run_dir), run_dir)
     except (ConfigError, OSError, ValueError):  # a config.toml that cannot be read: the default place
-        ck_dir = run_dir / "checkpoints"
-    return ck_dir.is_dir() and any(_STEP_DIR.match(p.name) or _TMP_DIR.match(p.name) for p in ck_dir.iterdir())
+        ck_dir = Path(run_dir) / "checkpoints"
+    if not ck_dir.is_dir():
+        return []
+    return [p for p in ck_dir.iterdir() if _STEP_DIR.match(p.name) or _TMP_DIR.match(p.name)]
+
+
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Make way for a new run in `run_dir` (--overwrite): the run it holds (`finished_steps`)
+    moves to RUN_DIR/previous/<UTC time>/ (its metrics, summary, event files, profile, plots
+    and checkpoints, with copies of its config.toml and tokenizer files, which the new run's
+    config may name), so that nothing of it is truncated, replaced or taken for the new
+    run's; returns that folder, or None when there was no run to keep."""
+    import shutil
+    import time
+
+    run_dir = Path(run_dir)
+    if not finished_steps(run_dir):
+        return None
+    checkpoints = _checkpoint_folders(run_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = run_dir / PREVIOUS_DIR / stamp, 1
+    while dest.exists():  # started over twice within a second
+        dest, n = run_dir / PREVIOUS_DIR / f"{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    if (run_dir / CONFIG_FILE).is_file():
+        shutil.copy2(run_dir / CONFIG_FILE, dest / CONFIG_FILE)
+    if (run_dir / TOKENIZER_DIR).is_dir():
+        shutil.copytree(run_dir / TOKENIZER_DIR, dest / TOKENIZER_DIR)
+    for name in (METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR, PROFILE_DIR, PLOTS_DIR):
+        if (run_dir / name).exists():
+            shutil.move(run_dir / name, dest / name)
+    for path in checkpoints:  # a rename on the same disk; a checkpoint.dir on another one is copied
+        (dest / "checkpoints").mkdir(exist_ok=True)
+        shutil.move(path, dest / "checkpoints" / path.name)
+    return dest
 
 
 def _has_logged_step(path: Path) -> bool:
-    if not path.exists():
+    if not path.is_file():  # a device (/dev/full, /dev/zero) would be read without end
         return False
     with open(path, errors="replace") as f:
         return any(line.strip() for line in f)

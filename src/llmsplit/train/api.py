@@ -44,6 +44,7 @@ class TrainJob:
     torchrun: bool
     resume_changed: bool = False  # --resume-changed: the inputs may differ from the checkpoint's
     resume_changes: dict = field(default_factory=dict)  # what differs (resume_check.resume_changes), for the summary
+    overwrite: bool = False  # --overwrite: the run that --run-dir holds is moved aside and the folder started over
 
 
 @dataclass
@@ -86,7 +87,7 @@ class TrainingFailed(RuntimeError):
 
 
 def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Path | None, resume: str,
-                workers: Workers, resume_changed: bool = False) -> TrainJob:
+                workers: Workers, resume_changed: bool = False, overwrite: bool = False) -> TrainJob:
     """The config loaded and the model sized; `check_job` follows once the layout is final."""
     from ..data.corpus import check_source
     from ..io.run_dir import CONFIG_FILE, absolute_paths
@@ -95,7 +96,7 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
 
     torchrun = under_torchrun()
     run_dir = Path(run_dir) if run_dir else None
-    resume_from = _check_arguments(workers, run_dir, resume, torchrun)
+    resume_from = _check_arguments(workers, run_dir, resume, torchrun, overwrite)
     overrides = list(overrides)
     if config is None and resume != "none" and run_dir is not None and (run_dir / CONFIG_FILE).is_file():
         # Continue a run with its own config; the data-parallel degree follows the new
@@ -121,12 +122,13 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     vocab = tokenizer.vocab_size
     check_source(cfg.data.source, tokenizer)  # a token file made with another tokenizer: refused here, exit 2
     return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
-                    torchrun, resume_changed)
+                    torchrun, resume_changed, overwrite=overwrite)
 
 
-def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchrun: bool) -> Path | None:
+def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchrun: bool,
+                     overwrite: bool = False) -> Path | None:
     """Refuse arguments that cannot work; returns the checkpoint that `resume` names, if any."""
-    from ..io.run_dir import CONFIG_FILE, finished_steps, resolve_checkpoint
+    from ..io.run_dir import CONFIG_FILE, PREVIOUS_DIR, finished_steps, resolve_checkpoint
     from .run_lock import check_free
 
     w = workers
@@ -145,13 +147,21 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         check_free(run_dir)  # a run in progress is named before anything else is said about its folder
     if resume == "auto" and run_dir is None:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
+    if overwrite and run_dir is None:
+        raise ConfigError("--overwrite needs --run-dir (the folder to start over)")
+    if overwrite and resume != "none":
+        raise ConfigError(f"--overwrite starts --run-dir over from step 0 and cannot go with --resume {resume}; "
+                          f"pass --resume none --overwrite, or drop --overwrite")
     # A damaged or missing checkpoint is refused here, before any worker starts.
     resume_from = resolve_checkpoint(resume)[1] if resume not in ("auto", "none") else None
-    if run_dir is not None and resume == "none" and (run_dir / CONFIG_FILE).is_file():
-        if finished_steps(run_dir):
-            raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it "
-                              f"or choose another --run-dir")
-        if rank0:
+    if run_dir is not None and resume == "none":
+        # Whether or not config.toml is there: a new run would truncate metrics.jsonl.
+        held = finished_steps(run_dir)
+        if held and not overwrite:
+            raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run; pass --resume auto to continue it, "
+                              f"--overwrite to start it over (the old run is moved into "
+                              f"{str(run_dir / PREVIOUS_DIR)!r}), or another --run-dir")
+        if rank0 and not held and (run_dir / CONFIG_FILE).is_file():
             print(f"llmsplit: --run-dir {run_dir} holds a run that never finished a step; starting it again",
                   file=sys.stderr, flush=True)
     return resume_from
@@ -213,11 +223,28 @@ def check_job(job: TrainJob) -> None:
         check_init(job.cfg.lora.init, job.cfg.lora)
     if job.resume == "auto":  # the workers warn about the checkpoints skipped
         job.resume_from = usable_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
+        _check_fresh_start(job)
     if job.resume_from is not None:
         from .checkpoint import check_fits
 
         check_fits(job.resume_from, job.model_cfg, job.cfg.lora.rank)
         _check_resumed_inputs(job)
+
+
+def _check_fresh_start(job: TrainJob) -> None:
+    """`--resume auto` without a checkpoint starts at step 0, which would truncate the
+    metrics.jsonl and replace the summary.json of a run that got somewhere: refused, so
+    that a lost checkpoints/ folder never costs the run's record too."""
+    from ..io.run_dir import PREVIOUS_DIR, checkpoint_dir, holds_record
+
+    # A worker restarted by torchrun after a crash runs this again: the same run goes on.
+    if job.resume_from is not None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if holds_record(job.run_dir):
+        raise ConfigError(f"--resume auto: --run-dir {str(job.run_dir)!r} holds a run but no checkpoint in "
+                          f"{str(checkpoint_dir(job.cfg, job.run_dir))!r} to continue it from; pass another "
+                          f"--run-dir for a new run, or --resume none --overwrite to start this one over (the old run "
+                          f"is moved into {str(job.run_dir / PREVIOUS_DIR)!r})")
 
 
 def _check_resumed_inputs(job: TrainJob) -> None:
@@ -258,11 +285,27 @@ def run_job(job: TrainJob) -> TrainResult:
         run_dir = job.run_dir or (default_run_dir(cfg.model.preset) if w.nnodes == 1 else None)
         locks = run_dir is not None and w.node_rank == 0
     with holding(run_dir) if locks else contextlib.nullcontext():
+        if job.overwrite and locks:
+            _start_over(run_dir)
         result = _run_in_torchrun(job, run_dir) if job.torchrun else _run_local(job, run_dir)
     if job.resume_changes and result.summary is not None and result.run_dir is not None:
         result.summary["resumed_with_changes"] = job.resume_changes
         amend_summary(result.run_dir, resumed_with_changes=job.resume_changes)
     return result
+
+
+def _start_over(run_dir: Path) -> None:
+    """--overwrite, by the process that holds the folder's lock and before any worker writes
+    there: the run the folder held is moved aside whole (io.run_dir.set_aside)."""
+    from ..io.run_dir import set_aside
+
+    # torchrun runs this again in a worker it restarted after a crash: that is the new run.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    moved = set_aside(run_dir)
+    if moved is not None:
+        print(f"llmsplit: --overwrite: moved the run that {run_dir} held into {moved}; starting it over",
+              file=sys.stderr, flush=True)
 
 
 def _worker_args(job: TrainJob, run_dir: Path | None) -> tuple:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..io.run_dir import PROFILE_DIR
+
 COMM = re.compile(r"c10d::|gloo|nccl|record_param_comms", re.IGNORECASE)
 STEP_MARK = "llmsplit::step "
 STRAGGLER = 0.20   # a rank this much slower than the median of the others, in every step
@@ -42,7 +44,7 @@ class StepProfiler:
     def __init__(self, n: int, start_step: int, last_step: int, run_dir: Path, rank: int):
         self.enabled = n > 0
         self.window = profiled_steps(n, start_step, last_step)
-        self.out = Path(run_dir) / "profile"
+        self.out = Path(run_dir) / PROFILE_DIR
         self.rank = rank
         self.prof = None
         self.mark = None
@@ -188,8 +190,8 @@ def report(rows: list[dict], summary: dict, run_dir: Path) -> dict:
                         f"stages or use more micro-batches")
     out = {"steps": [s["step"] for s in rows[0]["steps"]] if rows else [], "per_rank": totals,
            "per_rank_steps": rows, "stragglers": slow, "pipeline_imbalance": imbalance, "warnings": warnings,
-           "traces": sorted(p.name for p in (Path(run_dir) / "profile").glob("*.pt.trace.json"))}
-    path = Path(run_dir) / "profile" / "summary.json"
+           "traces": sorted(p.name for p in (Path(run_dir) / PROFILE_DIR).glob("*.pt.trace.json"))}
+    path = Path(run_dir) / PROFILE_DIR / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(format_table(totals), flush=True)
