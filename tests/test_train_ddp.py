@@ -157,4 +157,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_lo
     proc = train(run, *TINY, "train.steps=6", "checkpoint.every=2", nproc=2, extra=("--max-restarts", "2"),
                  env={"LLMSPLIT_FAULT": "1:4:kill"})
     assert "resumed from" in proc.stderr and "step_2" in proc.stderr, proc.stderr[-2000:]
+    # One llmsplit line says which worker died and where the restart goes on from.
+    restart = "llmsplit: worker rank 1 died (signal SIGKILL); restart 1 of 2 resumes from checkpoint step_2\n"
+    assert proc.stderr.count(restart) == 1, proc.stderr[-2000:]
     assert_close_losses(losses(run), losses(reference))

@@ -21,6 +21,7 @@ from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
 from .network import bind_collectives_to_master_route
+from .restarts import FailureWatch
 
 
 class LaunchError(RuntimeError):
@@ -294,8 +295,10 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         rdzv_configs={"rank": node_rank, "timeout": int(max(1, timeout_s))},
         max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
     )
+    environment = dict(os.environ)
     try:
-        return elastic_launch(config, _in_environment)(dict(os.environ), entrypoint, *args)
+        with FailureWatch(environment, first_rank=node_rank * nproc):  # a restart's workers say why
+            return elastic_launch(config, _in_environment)(environment, entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None
     except DistError as e:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..io.disk_full import writing
 from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR, read_metrics, resolve_checkpoint, usable_checkpoint, warn_skipped
+from ..launch import restart_note
 from .entry import default_run_dir
 from .progress import Progress, print_summary
 
@@ -42,8 +43,19 @@ def resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path
         choice = [newest and str(newest)]
     elif rank0:
         choice = [str(resolve_checkpoint(resume)[1])]
+    if rank0:
+        announce_restart(choice[0])
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
+
+
+def announce_restart(checkpoint: str | None) -> None:
+    """Rank 0 of workers restarted by --max-restarts: one line with the failure the launcher
+    saw (launch/restarts.py) and where the run goes on from; nothing on a first attempt."""
+    note = restart_note()
+    if note is not None:
+        where = f"resumes from checkpoint {Path(checkpoint).name}" if checkpoint else "starts over at step 0"
+        print(f"llmsplit: {note} {where}", file=sys.stderr, flush=True)
 
 
 class MetricsLog:
