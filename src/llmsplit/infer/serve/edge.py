@@ -1,13 +1,14 @@
 """The server's edge, before a request is parsed: how long it may take to arrive, who may send
 it, how large it may be, and the count of every answer by status.
 
-`Gate` is ASGI middleware around the whole app: the API key on /v1 routes, a cap on the body
-size and on the time its bytes take to arrive, and the status of every response counted for
-/metrics, 500s included (Starlette answers unhandled errors outside every middleware, where
-they would go uncounted, so the gate answers them itself). `TimedH11Protocol` is uvicorn's
-HTTP/1.1 protocol with a limit on the time a request's head (request line and headers) takes
-to arrive, which uvicorn lacks: its keep-alive timeout only runs between requests and stops
-at the first byte, so a client that sends half a header holds its connection forever.
+`Gate` is ASGI middleware around the whole app: the API key on /v1 routes (and on /metrics
+with `metrics_auth`), a cap on the body size and on the time its bytes take to arrive, and
+the status of every response counted for /metrics, 500s included (Starlette answers
+unhandled errors outside every middleware, where they would go uncounted, so the gate
+answers them itself). `TimedH11Protocol` is uvicorn's HTTP/1.1 protocol with a limit on
+the time a request's head (request line and headers) takes to arrive, which uvicorn lacks:
+its keep-alive timeout only runs between requests and stops at the first byte, so a client
+that sends half a header holds its connection forever.
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ class _TooLarge(Exception):
     pass
 
 
+def check_keys(api_key: str | None, metrics_auth: bool) -> None:
+    """Refuse a guard on /metrics with no key to guard it with, before anything is loaded."""
+    if metrics_auth and not api_key:
+        raise ConfigError("--metrics-auth needs --api-key (or LLMSPLIT_API_KEY) to check /metrics against; "
+                          "set a key or drop --metrics-auth")
+
+
 class Gate:
-    def __init__(self, app, api_key: str | None, max_body: int, body_timeout: float, statuses: dict[int, int]):
+    def __init__(self, app, api_key: str | None, max_body: int, body_timeout: float, statuses: dict[int, int],
+                 metrics_auth: bool = False):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body, body_timeout
         self.statuses = statuses
+        # /health stays open always (probes); /metrics only on request: scrapers often have no key.
+        self.guarded = ("/v1", "/metrics") if metrics_auth else ("/v1",)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -48,11 +59,9 @@ class Gate:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await error(APIError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
-                                            code="invalid_api_key"), counted_send)
+        if self.api_key and scope["path"].startswith(self.guarded) and not self._authorized(headers):
+            return await error(APIError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
+                                        code="invalid_api_key"), counted_send)
         try:
             declared = int(headers.get(b"content-length", 0))
         except ValueError:
@@ -85,6 +94,13 @@ class Gate:
                 raise  # mid-stream: nothing left to answer with; uvicorn closes the connection
             log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
             await error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"), counted_send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 7235): `bearer KEY` is as good as `Bearer KEY`. Only
+        # the key is secret, so only its comparison needs to take the same time whatever it holds.
+        given = key.lstrip(b" ").decode("latin-1").encode()
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.api_key.encode())
 
     async def _read_body(self, receive) -> bytes | None:
         # Read here, capped, and replay it to the app: a chunked upload has no length to check up
