@@ -305,3 +305,30 @@ def test_checkpoint_metadata_pickled_with_enums_by_name_loads_and_other_getattrs
     write(m.Metadata(state_dict_metadata={"w": tensor}, planner_data=Sneaky()))
     with pytest.raises(UnsafeCheckpoint, match="calls getattr on"):
         read_metadata(tmp_path)
+
+
+# Chat templates that never end, or that double a string 40 times (1 TiB), sprung by the message.
+HOSTILE_TEMPLATE = (
+    "{% if messages[-1]['content'] == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[-1]['content'] == 'double' %}{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def test_a_hostile_chat_template_is_stopped_at_its_limits(tmp_path, good, capsys):
+    import shutil
+
+    folder = tmp_path / "hostile-template"
+    shutil.copytree(good, folder)
+    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATE)
+    base = ["generate", "--model", str(folder), "--chat", "--max-new-tokens", "1"]
+    start = time.monotonic()
+    err = refused(capsys, *base, "--template-timeout", "1", "spin")
+    assert "ran for more than 1 s and was stopped (--template-timeout raises the limit)" in err, err
+    assert time.monotonic() - start < 15
+    # The string grows in the template's process, capped at 256 MiB; this process (held to 1 GiB
+    # of new address space by `refused`) never holds it.
+    err = refused(capsys, *base, "--template-max-bytes", "256MiB", "double")
+    assert "needed more than 256 MiB of memory and was stopped (--template-max-bytes raises the limit)" in err, err
+    assert main([*base, "hi"]) == 0  # the same template on a message that springs no trap

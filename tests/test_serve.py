@@ -32,12 +32,16 @@ KEY = "sk-test-key"
 PROMPT = "The def statement"
 LONG = 1000  # tokens: a generation that takes more than a second
 TIMEOUT = 4  # --request-timeout of the servers here, in seconds
-# ChatML, plus two traps a hostile model file could set, sprung by the last message: a loop of
-# 10^10 empty iterations (pure Python, stopped by the time limit) and one C-level power that
-# would run for hours (refused by the sandbox before it starts).
+TEMPLATE_TIMEOUT = 2  # --template-timeout of the shared server
+# ChatML, plus three traps a hostile model file could set, sprung by the last message: a loop of
+# 10^10 empty iterations (stopped by the time limit), a string doubled 40 times (1 TiB: stopped
+# by the memory limit) and one C-level power that would run for hours (refused by the sandbox
+# before it starts).
 CHAT_TEMPLATE = (
     "{% if messages[-1]['content'] == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
     "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[-1]['content'] == 'double' %}{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{% endif %}"
     "{% if messages[-1]['content'] == 'power' %}{{ 9 ** (9 ** 9) }}{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -79,10 +83,15 @@ def live_server(folder, tmp_path, *flags, prefix=()):
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    with live_server(folder, tmp_path_factory.mktemp("log"), "--api-key", KEY, "--max-batch", "4",
-                     "--max-queue", "32", "--max-request-size", "64KiB") as (url, proc, log):
+    with live_server(folder, tmp_path_factory.mktemp("log"), "--api-key", KEY, "--metrics-auth", "--max-batch", "4",
+                     "--max-queue", "32", "--max-request-size", "64KiB", "--max-request-items", "100",
+                     "--template-timeout", str(TEMPLATE_TIMEOUT), "--template-max-bytes", "256MiB") as (url, proc, log):
+        SERVER_PID[url] = proc.pid
         yield url
     assert proc.returncode == 0, log.read_text()  # SIGTERM drained and exited cleanly
+
+
+SERVER_PID = {}  # the shared server's process, by URL
 
 
 def client(url, **kw):
@@ -90,7 +99,8 @@ def client(url, **kw):
 
 
 def metrics(url) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    # The key, for the servers with --metrics-auth; its scheme in lower case, as RFC 7235 allows.
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"bearer {KEY}"}, timeout=10).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^llmsplit_(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
@@ -187,7 +197,10 @@ def test_many_concurrent_clients_each_get_every_token(server):
     assert count(after, "inter_token_latency_seconds") - count(before, "inter_token_latency_seconds") == \
         n * (max_tokens - 1)
     assert after['time_to_first_token_seconds_bucket{le="+Inf"}'] == count(after, "time_to_first_token_seconds")
-    assert httpx.get(f"{server}/metrics", timeout=10).headers["content-type"].startswith("text/plain; version=")
+    assert httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=10).headers["content-type"].startswith("text/plain; version=")
+    assert httpx.get(f"{server}/metrics", timeout=10).status_code == 401  # --metrics-auth
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200  # open always
 
 
 CHAT = "/v1/chat/completions"
@@ -217,6 +230,17 @@ def chat_body(content="Hi", **fields):
     ("no API key", dict(json={"prompt": "x"}, headers={"Authorization": ""}), 401),
     ("chat without messages", dict(json={"messages": []}, path=CHAT, param="messages"), 400),
     ("chat with a bad role", dict(json={"messages": [{"role": "wizard", "content": "x"}]}, path=CHAT), 400),
+    # An allow list: a field this server does not know is named, not dropped (also in a message).
+    ("unknown field", dict(json={"prompt": "x", "frobnicate": 1}, param="frobnicate"), 400),
+    ("unknown message field", dict(json={"messages": [{"role": "user", "content": "x", "voice": "a"}]}, path=CHAT,
+                                   param="messages.0.voice"), 400),
+    # Counted before the body is parsed (--max-request-items 100).
+    ("too many messages", dict(json={"messages": [{"role": "user", "content": "x"}] * 101}, path=CHAT,
+                               param="messages"), 400),
+    ("too many content parts", dict(json={"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 60}
+                                                       ] * 2}, path=CHAT, param="messages"), 400),
+    ("too many tools", dict(json=chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 101), path=CHAT,
+                            param="tools"), 400),
     ("template with a C-level power", dict(json=chat_body("power"), path=CHAT, param="messages"), 400),
     ("unknown route", dict(json={}, path="/v1/embeddings"), 404),
     # Fields that would change the answer and are not implemented: refused, never ignored.
@@ -247,7 +271,8 @@ def test_default_values_of_unsupported_fields_are_accepted(server):
     # Clients that send every field with its default must not be refused.
     body = chat_body(max_tokens=2, n=1, logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
                      logit_bias={}, tools=[], response_format={"type": "text"}, seed=2**64 - 1, modalities=["text"],
-                     audio=None)
+                     audio=None, user="u-1", metadata={"k": "v"}, store=False, parallel_tool_calls=True)
+    body["messages"][0]["name"] = "ada"  # fields that change nothing in the answer are accepted
     r = httpx.post(f"{server}{CHAT}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200, r.text
 
@@ -267,13 +292,34 @@ def test_a_looping_chat_template_is_stopped_while_the_server_keeps_answering(ser
         health_s.append(time.monotonic() - t)
         time.sleep(0.2)
     spin.join(60)
-    assert got["r"].status_code == 400 and got["r"].json()["error"]["code"] == "request_timeout", got["r"].text
-    assert TIMEOUT - 0.5 < time.monotonic() - start < TIMEOUT + 20
+    error = got["r"].json()["error"]
+    assert got["r"].status_code == 400 and error["code"] == "template_limit", got["r"].text
+    assert f"ran for more than {TEMPLATE_TIMEOUT} s" in error["message"] and "--template-timeout" in error["message"]
+    assert TEMPLATE_TIMEOUT - 0.5 < time.monotonic() - start < TEMPLATE_TIMEOUT + 20
     assert len(health_s) >= 3 and max(health_s) < 3, health_s  # answered all along, not after the template
     r = client(server).chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=2)
     assert r.choices[0].message.role == "assistant"
     assert metrics(server)['http_responses_total{status="400"}'] > before.get('http_responses_total{status="400"}', 0)
+
+
+def test_a_template_that_doubles_a_string_is_stopped_at_its_memory_limit(server):
+    def kib(field: str) -> int:
+        status = open(f"/proc/{SERVER_PID[server]}/status").read()
+        return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1))
+
+    rss, peak = kib("VmRSS"), kib("VmHWM")
+    start = time.monotonic()
+    r = httpx.post(f"{server}{CHAT}", json=chat_body("double"), headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "template_limit", r.text
+    assert "needed more than 256 MiB of memory" in error["message"] and "--template-max-bytes" in error["message"]
+    assert time.monotonic() - start < TEMPLATE_TIMEOUT  # the memory limit, not the time limit, stopped it
+    # The string grew in the template's own process: the server's memory never held it.
+    assert kib("VmHWM") - peak < 64 << 10 and kib("VmRSS") - rss < 64 << 10, (rss, kib("VmRSS"), peak, kib("VmHWM"))
+    r = httpx.post(f"{server}{CHAT}", json=chat_body("hi", max_tokens=2), headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text  # a fresh template process took the stopped one's place
 
 
 def test_requests_that_never_finish_arriving_are_cut_off(server):

@@ -255,6 +255,31 @@ def test_an_unexpected_error_is_a_500_counted_in_metrics_and_draining_is_a_503(m
         assert int(r.headers["Retry-After"]) >= 1
 
 
+def test_a_million_messages_are_refused_before_they_are_parsed(model):
+    import json
+    import tracemalloc
+
+    from starlette.testclient import TestClient
+
+    from llmsplit.infer.serve.server import Server
+
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 10**6}).encode()  # 31 MiB
+    server = Server(model, "llama", max_body=64 << 20)
+    with TestClient(server.app) as c:
+        start = time.perf_counter()
+        r = c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        elapsed = time.perf_counter() - start
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "1,000,000 messages; this server takes at most 10,000" in r.json()["error"]["message"]
+        assert elapsed < 1.0, elapsed  # parsing them as pydantic models took 28 s
+        tracemalloc.start()
+        c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        # The body arrives (and is replayed by the edge) as bytes; counting adds 16 bytes a message.
+        assert peak < 3 * len(body), f"{peak / 2**20:.0f} MiB for a {len(body) / 2**20:.0f} MiB body"
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--pp", "2", "--nnodes", "2"], "--nnodes > 1 needs --master-port"),
     (["--nnodes", "2", "--master-port", "1"], "needs --tp or --pp"),
@@ -284,6 +309,45 @@ def test_serving_beyond_this_machine_without_a_key_warns(flags, warned, monkeypa
     assert cli.main(["serve", "--model", "m", *flags]) == 0 and served
     err = capsys.readouterr().err
     assert ("warning" in err and "--api-key" in err) == warned, err
+
+
+@pytest.mark.parametrize("metrics_auth", [False, True])
+def test_the_api_key_scheme_is_any_case_and_metrics_auth_closes_metrics(metrics_auth):
+    """The scheme of `Authorization: Bearer KEY` is case-insensitive (RFC 7235; `bearer KEY`
+    got a 401, issue 52). /metrics asks for the key only with --metrics-auth, /health never."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from llmsplit.infer.serve.edge import Gate
+
+    app = Starlette(routes=[Route(path, lambda request: PlainTextResponse("ok"))
+                            for path in ("/v1/models", "/metrics", "/health")])
+    gate = Gate(app, api_key="k3y", max_body=1024, body_timeout=5, statuses={}, metrics_auth=metrics_auth)
+    with TestClient(gate) as c:
+        for given in ("Bearer k3y", "bearer k3y", "BEARER k3y", "bEaReR  k3y"):
+            assert c.get("/v1/models", headers={"Authorization": given}).status_code == 200, given
+        for given in ("Bearer nope", "bearer K3Y", "bearer", "Bearerk3y", "Basic k3y", "k3y", ""):
+            assert c.get("/v1/models", headers={"Authorization": given}).status_code == 401, given
+        assert c.get("/metrics").status_code == (401 if metrics_auth else 200)
+        assert c.get("/metrics", headers={"Authorization": "bearer k3y"}).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def test_metrics_auth_needs_an_api_key(monkeypatch, capsys):
+    from llmsplit import cli
+    from llmsplit.infer.serve import server
+
+    monkeypatch.delenv("LLMSPLIT_API_KEY", raising=False)
+    assert cli.main(["serve", "--model", "m", "--metrics-auth"]) == 2  # refused before the model is looked for
+    err = capsys.readouterr().err.strip()
+    assert "--metrics-auth needs --api-key" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    served = []
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: served.append(kw))  # no socket is opened
+    assert cli.main(["serve", "--model", "m", "--api-key", "k", "--metrics-auth"]) == 0
+    assert cli.main(["serve", "--model", "m", "--api-key", "k"]) == 0
+    assert [kw["metrics_auth"] for kw in served] == [True, False]
 
 
 def test_incremental_detokenization_equals_decoding_everything(model):

@@ -100,6 +100,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _template_limits(args):
+    from .io.template_process import TemplateLimits
+    from .plan.placement import parse_size
+
+    return TemplateLimits(args.template_timeout, parse_size(args.template_max_bytes, "--template-max-bytes"))
+
+
 def _prompt_ids(args, prompt: str, tokenizer) -> list[int]:
     """The prompt's token ids. With --chat, `prompt` is one user message (after --system's)
     in the model's own chat template, and the template's stop strings join --stop."""
@@ -112,9 +119,10 @@ def _prompt_ids(args, prompt: str, tokenizer) -> list[int]:
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": prompt})
     try:
-        ids, stops = chat_prompt(messages, tokenizer)
+        limits = _template_limits(args)
+        ids, stops = chat_prompt(messages, tokenizer, limits=limits)
         if args.show_prompt:
-            print(render_chat(messages, tokenizer), file=sys.stderr)
+            print(render_chat(messages, tokenizer, limits=limits), file=sys.stderr)
     except TemplateError as e:
         raise ConfigError(f"--chat: {e}") from None
     args.stop = [*args.stop, *stops]
@@ -217,7 +225,8 @@ def cmd_serve(args) -> int:
     try:
         serve(args.model, config, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),
-              drain_timeout=args.drain_timeout, request_timeout=args.request_timeout)
+              drain_timeout=args.drain_timeout, request_timeout=args.request_timeout, metrics_auth=args.metrics_auth,
+              max_items=args.max_request_items, template_limits=_template_limits(args))
     except infer_oom_errors() as e:  # raised while loading, before serving starts
         failure = infer_failure(e, "loading the model")
     if failure is not None:

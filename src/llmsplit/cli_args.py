@@ -116,6 +116,7 @@ def _add_generate(sub) -> argparse.ArgumentParser:
                    "the template's own, if it has one)")
     p.add_argument("--show-prompt", action="store_true", help="print the prompt as the model reads it, after the "
                    "chat template (stderr)")
+    _add_template_args(p)
     _add_placement_args(p, context_default="prompt + --max-new-tokens, at most the model's")
     p.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
     return p
@@ -135,6 +136,9 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", type=number(int, at_least=0, at_most=65535), default=8000, help="port to bind (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("LLMSPLIT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $LLMSPLIT_API_KEY, else none)")
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="require the --api-key on /metrics too (default: /metrics is open for scrapers without a "
+                        "key; /health is always open)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default the folder or "
                    "file name)")
     p.add_argument("--max-batch", type=COUNT, default=8, metavar="N", help="sequences decoded together (default 8)")
@@ -161,9 +165,22 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=number(float, above=0), default=10.0, metavar="SECONDS",
                    help="how long a request's headers and body may take to arrive, and its chat template and "
                         "tokenizing to run, before it is refused (default %(default)s)")
+    p.add_argument("--max-request-items", type=COUNT, default=10_000, metavar="N",
+                   help="messages, content parts and tools one request may hold, each counted before the body is "
+                        "parsed (default %(default)s)")
+    _add_template_args(p)
     _add_placement_args(p, context_default="the model's, at most 4096")
     _add_node_args(p, node0="; node 0 serves HTTP, the others run their share of the --tp/--pp workers")
     return p
+
+
+def _add_template_args(p) -> None:
+    p.add_argument("--template-timeout", type=number(float, above=0), default=10.0, metavar="SECONDS",
+                   help="how long the model's chat template may run for one conversation before it is stopped "
+                        "(default %(default)s)")
+    p.add_argument("--template-max-bytes", default="1GiB", metavar="SIZE",
+                   help="memory the chat template may use for one conversation, in the process it runs in, before "
+                        "it is stopped (default %(default)s)")
 
 
 def _add_prepare(sub) -> argparse.ArgumentParser:

@@ -24,7 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..io.template_process import TemplateLimits
 
+# The default limits of one render, fixed for training data: a template that needs more than
+# 10 s or 1 GiB for one conversation is broken, and the message says to fix it.
+TRAINING_LIMITS = TemplateLimits(seconds_name=None, bytes_name=None)
 ROLES = ("system", "user", "assistant", "tool")
 LOSS_ON = ("assistant", "all")
 
@@ -94,7 +98,8 @@ def encode_conversation(messages: list[dict], tokenizer, loss_on: str, where: st
     from ..io.chat_template import TemplateError, render_chat
 
     try:
-        text, marked = render_chat(messages, tokenizer, add_generation_prompt=False, spans=True)
+        text, marked = render_chat(messages, tokenizer, add_generation_prompt=False, spans=True,
+                                   limits=TRAINING_LIMITS)
         spans = marked if marked is not None else _assistant_spans(messages, tokenizer, text, where)
     except TemplateError as e:
         raise ConfigError(f"{where}: {e}; fix the data or the template") from None
@@ -120,8 +125,8 @@ def _assistant_spans(messages, tokenizer, text: str, where: str) -> list[tuple[i
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render_chat(messages[:i], tokenizer, add_generation_prompt=True)
-        through = render_chat(messages[:i + 1], tokenizer, add_generation_prompt=False)
+        before = render_chat(messages[:i], tokenizer, add_generation_prompt=True, limits=TRAINING_LIMITS)
+        through = render_chat(messages[:i + 1], tokenizer, add_generation_prompt=False, limits=TRAINING_LIMITS)
         if not (text.startswith(through) and through.startswith(before)):
             raise ConfigError(f"{where}: the chat template writes the turns before assistant message {i} differently "
                               f"once later messages follow, so no correct assistant mask can be derived from it; "

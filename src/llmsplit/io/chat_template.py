@@ -4,11 +4,10 @@ place where Jinja templates run, for prompts (infer/chat.py) and for training da
 
 The template comes from the tokenizer files or GGUF metadata; a model without one (a training
 run, a base model) gets a plain "Role: text" transcript, which is also Jinja so both go one way.
-Templates run in Jinja's immutable sandbox because they arrive with downloaded model files; the
-server renders them off its event loop under a time limit (infer/serve/time_limit.py), which stops any
-loop, and the sandbox here refuses the single operations no time limit can stop: `**` and `*`
-whose result would be huge (`9**9**9` runs in C for hours; Jinja would even fold it while
-compiling).
+Templates arrive with downloaded model files, so they run in Jinja's immutable sandbox, in a
+child process that a time limit and a memory limit stop (io/template_process.py); the sandbox
+here also refuses `**` and `*` whose result would be huge before they run (`9**9**9` runs in C for
+hours; Jinja would even fold it while compiling, which happens in the parent at a server's start).
 
 `{% generation %}...{% endgeneration %}` (transformers' marker for the text an assistant turn
 trains on) is understood: `render_chat(..., spans=True)` returns the character spans it marked.
@@ -20,6 +19,10 @@ from datetime import datetime
 from functools import lru_cache
 
 from ..errors import ConfigError
+from .template_process import TemplateError, TemplateLimitError, TemplateLimits, render
+
+__all__ = ["DEFAULT_TEMPLATE", "TemplateError", "TemplateLimitError", "TemplateLimits", "compile_template",
+           "render_chat", "render_request"]
 
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
@@ -29,10 +32,6 @@ MAX_OPERATION_SIZE = 10_000_000  # characters, items or bits one `*` or `**` in 
 # Private-use characters that the generation marker writes around what it marks, found and
 # removed after rendering: the positions of text a template wrote are known only then.
 GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
-
-
-class TemplateError(ValueError):
-    """The messages do not fit the model's template (e.g. roles that must alternate)."""
 
 
 def _result_size(operator: str, left, right) -> int:
@@ -89,26 +88,38 @@ def compile_template(source: str):
 
 
 def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = True, spans: bool = False,
-                tools: list[dict] | None = None):
+                tools: list[dict] | None = None, limits: TemplateLimits | None = None):
     """The conversation as the model's template writes it; with `add_generation_prompt`,
     ending where the assistant's turn begins (what `generate --chat --show-prompt` prints).
     With `spans`, (text, [(start, end) of each non-empty span a generation marker wrote], or
-    None when the template has no markers)."""
-    source = tokenizer.chat_template or DEFAULT_TEMPLATE
-    try:
-        extra = {"tools": tools} if tools else {}  # templates test `tools is defined` as often as `if tools`
-        text = compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               bos_token=tokenizer.token_text(tokenizer.bos_id),
-                                               eos_token=tokenizer.token_text(tokenizer.eos_id), **extra)
-    except TemplateError:
-        raise
-    except Exception as e:  # a template may fail on any message shape it does not expect
-        raise TemplateError(f"the model's chat template failed on these messages ({e})") from None
-    bos = tokenizer.token_text(tokenizer.bos_id)
+    None when the template has no markers). Rendered in a child process within `limits`
+    (default: 10 s and 1 GiB, raised by --template-timeout and --template-max-bytes)."""
+    request = {"source": tokenizer.chat_template or DEFAULT_TEMPLATE, "messages": messages,
+               "add_generation_prompt": add_generation_prompt, "tools": tools,
+               "bos_token": tokenizer.token_text(tokenizer.bos_id), "eos_token": tokenizer.token_text(tokenizer.eos_id)}
+    text = render(request, limits or TemplateLimits())
+    bos = request["bos_token"]
     if getattr(tokenizer, "add_bos", False) and bos and text.startswith(bos):
         text = text[len(bos):]  # encode() adds the BOS itself; two would confuse the model
     text, marked = _strip_markers(text)
     return (text, marked) if spans else text
+
+
+def render_request(request: dict) -> str:
+    """What render_chat's request renders to, markers and all: run in the template process."""
+    extra = {"tools": request["tools"]} if request["tools"] else {}  # templates test `tools is defined` too
+    try:
+        template = compile_template(request["source"])
+    except ConfigError as e:
+        raise TemplateError(str(e)) from None
+    try:
+        return template.render(
+            messages=request["messages"], add_generation_prompt=request["add_generation_prompt"],
+            bos_token=request["bos_token"], eos_token=request["eos_token"], **extra)
+    except (TemplateError, MemoryError):
+        raise  # MemoryError: the process's memory limit, which the parent names
+    except Exception as e:  # a template may fail on any message shape it does not expect
+        raise TemplateError(f"the model's chat template failed on these messages ({e})") from None
 
 
 def _strip_markers(text: str) -> tuple[str, list[tuple[int, int]] | None]:

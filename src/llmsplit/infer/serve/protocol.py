@@ -1,9 +1,11 @@
 """The OpenAI API's request bodies and error shape, as the server accepts them.
 
 Fields follow OpenAI's reference for /v1/completions and /v1/chat/completions, with vLLM's
-`top_k` and `ignore_eos` extensions; fields that would change the answer but are not
-implemented (`UNSUPPORTED`) are refused rather than silently ignored, and the rest of
-OpenAI's optional fields (user, metadata, ...) are accepted and ignored, as vLLM does.
+`top_k` and `ignore_eos` extensions. What is accepted is an allow list: the fields implemented
+here, the fields that change nothing in an answer (`IGNORED`: user, metadata, ... accepted and
+ignored, as vLLM does), and the fields of `UNSUPPORTED` at the values that ask for nothing.
+Anything else, a field of OpenAI's that would change the answer or a name this server does not
+know, is a 400 naming it, never silently dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ UNSUPPORTED: dict[str, Any] = {
     "modalities": ["text"], "audio": None,  # spoken answers: this server writes text only
 }
 HINTS = {"n": "; send n separate requests"}
+# Fields that change nothing in the answer's content: tracking, storage and latency hints.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                     "safety_identifier", "prediction"})
+# What a message may carry besides role and content, all of it passed to the chat template
+# (tool calls, their results, names, and the reasoning that Qwen3/DeepSeek templates render).
+MESSAGE_FIELDS = frozenset({"name", "tool_calls", "tool_call_id", "refusal", "reasoning_content"})
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -103,11 +111,18 @@ class _Sampling(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
-        for name, off in UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
-            if value is not None and value != off:
-                raise APIError(400, f"{_shown(name, value)} is not supported by this server{HINTS.get(name, '')}",
-                               name, code="unsupported_parameter")
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED or (name in UNSUPPORTED and value in (None, UNSUPPORTED[name])):
+                continue
+            known = name in UNSUPPORTED
+            raise APIError(400, f"{_shown(name, value)} is {'not supported by' if known else 'not a field of'} "
+                                f"this server{HINTS.get(name, '' if known else '; remove it')}", name,
+                           code="unsupported_parameter")
+        for i, message in enumerate(getattr(self, "messages", ())):
+            unknown = sorted(set(message.model_extra or ()) - MESSAGE_FIELDS)
+            if unknown:
+                raise APIError(400, f"messages[{i}].{unknown[0]} is not a field of a message this server knows; "
+                                    f"remove it", f"messages.{i}.{unknown[0]}", code="unsupported_parameter")
         where = _lone_surrogate(self.model_dump(), "")
         if where is not None:
             # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer can encode that.

@@ -31,14 +31,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import ConfigError
-from ..chat import DEFAULT_TEMPLATE, TemplateError, chat_prompt, compile_template
+from ..chat import DEFAULT_TEMPLATE, TemplateError, TemplateLimitError, TemplateLimits, chat_prompt, compile_template
 from ..config import InferConfig
 from ..engine import SamplingParams
 from ..engine.grammar import Grammars
-from .edge import Gate, TimedH11Protocol, bind
+from .edge import Gate, TimedH11Protocol, bind, check_keys
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
+from .request_body import parse_body, validation_error
 from .replies import Reply, forced_call_schema
 from .time_limit import OffLoop, TimeLimitExceeded
 
@@ -66,10 +67,12 @@ class Server:
     """The app's state and routes over one loaded model."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
-                 max_body: int = 1 << 20, announce: str | None = None, request_timeout: float = 10.0):
-        if max_queue < 0 or max_body < 1 or not request_timeout > 0:
-            raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body} and "
-                              f"--request-timeout {request_timeout} positive")
+                 max_body: int = 1 << 20, announce: str | None = None, request_timeout: float = 10.0,
+                 metrics_auth: bool = False, max_items: int = 10_000, template_limits: TemplateLimits | None = None):
+        if max_queue < 0 or max_body < 1 or not request_timeout > 0 or max_items < 1:
+            raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body}, "
+                              f"--request-timeout {request_timeout} and --max-request-items {max_items} positive")
+        self.max_items, self.template_limits = max_items, template_limits or TemplateLimits()
         self.model, self.name, self.announce = model, name, announce
         # The model field picks what answers: the base model's name, or a LoRA adapter's (serve --lora).
         self.models = [name, *model.adapters]
@@ -86,11 +89,11 @@ class Server:
         self.scheduler = EngineThread(model.engine, max_queue, on_latency=self.prometheus.observe)
         self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self.scheduler.eos_ids)
         self.created = int(time.time())
-        self.app = self._app(api_key, max_body, request_timeout)
+        self.app = self._app(api_key, max_body, request_timeout, metrics_auth)
 
     # ------------------------------------------------------------ app
 
-    def _app(self, api_key, max_body, request_timeout):
+    def _app(self, api_key, max_body, request_timeout, metrics_auth):
         @asynccontextmanager
         async def lifespan(app):
             self.scheduler.start()
@@ -111,7 +114,7 @@ class Server:
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
         app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=request_timeout,
-                           statuses=self.statuses)
+                           statuses=self.statuses, metrics_auth=metrics_auth)
         return app
 
     # ------------------------------------------------------------ routes
@@ -129,8 +132,8 @@ class Server:
     async def get_model(self, model_id: str):
         return self._model_card(self.models[self._adapter(model_id)])
 
-    async def completions(self, body: CompletionRequest, request: Request):
-        body.refuse_unsupported()
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
         adapter = self._adapter(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
@@ -145,8 +148,8 @@ class Server:
         params.grammar = await self._grammar(body.response_format)
         return await self._answer(request, ids, params, body, chat=False, adapter=adapter)
 
-    async def chat(self, body: ChatRequest, request: Request):
-        body.refuse_unsupported()
+    async def chat(self, request: Request):
+        body = await self._parse(request, ChatRequest)
         adapter = self._adapter(body.model)
         tools, forced = body.tool_mode()
         functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
@@ -157,7 +160,8 @@ class Server:
         ids, template_stops = await self._off_loop("messages", "rendering the chat template", chat_prompt,
                                                    [m.as_template_input() for m in body.messages],
                                                    self.tokenizer, [t.model_dump(exclude_none=True) for t in
-                                                                    body.tools] if tools else None)
+                                                                    body.tools] if tools else None,
+                                                   self.template_limits)
         room = max(1, self.scheduler.max_context - len(ids))  # no limit given: up to the end of the context
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         check_fits([len(ids)], max_tokens, self.scheduler.max_context, self._most_sequences(), "messages")
@@ -174,6 +178,10 @@ class Server:
         card = {"id": model, "object": "model", "created": self.created, "owned_by": "llmsplit",
                 "max_model_len": self.scheduler.max_context}
         return card if model == self.name else {**card, "parent": self.name}  # a LoRA adapter over the base
+
+    async def _parse(self, request: Request, kind):
+        # Parsed here rather than by FastAPI, which would build every item before any check.
+        return parse_body(await request.body(), kind, self.max_items)
 
     async def _off_loop(self, param: str, what: str, fn, *args):
         try:
@@ -283,23 +291,13 @@ def _handler(convert):
     return handle
 
 
-def _validation_error(e: RequestValidationError) -> APIError:
-    first = e.errors()[0]
-    where = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({first.get('msg')})")
-    if not where:
-        return APIError(400, f"the request body must be a JSON object ({first.get('msg')})")
-    param = ".".join(where)
-    return APIError(400, f"{param}: {first.get('msg')}", param)
-
-
 # Every failure a request can meet, as the OpenAI error it is answered with.
 _ERRORS = {
     APIError: lambda e: e,
-    RequestValidationError: lambda e: _validation_error(e),
+    RequestValidationError: validation_error,
     ConfigError: lambda e: APIError(400, str(e)),
     TemplateError: lambda e: APIError(400, str(e), "messages"),
+    TemplateLimitError: lambda e: APIError(400, str(e), "messages", code="template_limit"),
     QueueFull: lambda e: APIError(429, f"the server is busy ({e}); retry after {RETRY_AFTER_S} s", code="queue_full",
                                   type="rate_limit_error", headers={"Retry-After": RETRY_AFTER_S}),
     # Not a 429: the server is not busy but going away; 503 is what load balancers and clients retry elsewhere.
@@ -317,12 +315,16 @@ def _encode_all(tokenizer, prompts) -> list[list[int]]:
 
 def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
           name: str | None = None, api_key: str | None = None, max_queue: int = 64, max_body: int = 1 << 20,
-          drain_timeout: float = 30.0, request_timeout: float = 10.0, **fields) -> None:
+          drain_timeout: float = 30.0, request_timeout: float = 10.0, metrics_auth: bool = False,
+          max_items: int = 10_000, template_limits: TemplateLimits | None = None, **fields) -> None:
     """Load the model as `config` (with InferConfig `fields` on top) says and serve it until
     SIGTERM/Ctrl-C. On a node other than node 0 (the config's `nodes`), run this node's workers
-    instead, until node 0 stops."""
+    instead, until node 0 stops. `metrics_auth`: /metrics needs the API key too; `max_items`:
+    messages, content parts and tools one request may hold; `template_limits`: the time and
+    memory one chat template render may use (default 10 s and 1 GiB)."""
     from ..api import follow, load
 
+    check_keys(api_key, metrics_auth)
     config = InferConfig.of(config, **fields)
     follower = config.nodes.node_rank > 0
     sock = None if follower else bind(host, port)
@@ -342,7 +344,8 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
             server = Server(model, name, max_queue, api_key, max_body,
                             announce=f"llmsplit: serving {name!r}{_with_adapters(model.adapters)} at "
                                      f"http://{url_host}:{where[1]}/v1 "
-                                     f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout)
+                                     f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout,
+                            metrics_auth=metrics_auth, max_items=max_items, template_limits=template_limits)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=drain_timeout + DELIVERY_GRACE_S,
                                     http=partial(TimedH11Protocol, head_timeout=request_timeout))

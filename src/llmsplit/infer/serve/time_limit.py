@@ -1,14 +1,14 @@
-"""CPU-bound request work (chat templates, tokenizing big inputs) off the event loop, with a
-time limit that actually stops it.
+"""CPU-bound request work (rendering the chat template, tokenizing big inputs, compiling a
+response format) off the event loop, with a time limit that actually stops it.
 
-A thread alone keeps the event loop free, but Python cannot kill a thread, so a chat
-template that loops 10^10 times would spin until the process exits and hold SIGTERM's exit
-up. So when the limit passes, the thread gets an exception raised inside it
-(`PyThreadState_SetAsyncExc`, the C API for raising in another thread). CPython raises it
-between two bytecodes, so any Python-level loop stops within microseconds, whether it is in
-the template, in Jinja's runtime, or in a filter. One C call that runs long is not
-interrupted. chat.py bounds the ones a template can ask for (`**` and `*` on huge operands;
-Jinja's sandbox already caps `range`), and a tokenizer's time is bounded by the body size cap.
+A thread alone keeps the event loop free, but Python cannot kill a thread, so work that loops
+would run on until the process exits and hold SIGTERM's exit up. So when the limit passes,
+the thread gets an exception raised inside it (`PyThreadState_SetAsyncExc`, the C API for
+raising in another thread). CPython raises it between two bytecodes, so any Python-level loop
+stops within microseconds. One C call that runs long is not interrupted: a chat template
+runs in a child process of its own (io/template_process.py), which its own limits stop and
+whose waiting thread wakes every 0.1 s, so the exception lands there too and the child is
+killed; a tokenizer's time is bounded by the body size cap.
 
 The exception derives from BaseException, so the `except Exception` clauses inside Jinja or
 in a template cannot swallow it. Every call runs in a daemon thread of its own, so a thread
