@@ -255,6 +255,43 @@ def test_an_unexpected_error_is_a_500_counted_in_metrics_and_draining_is_a_503(m
         assert int(r.headers["Retry-After"]) >= 1
 
 
+def test_logit_processors_follow_openai_and_vllm_formulas(model):
+    import torch
+
+    from llmsplit.infer.engine.sampler import process, sample_batch
+
+    e = model.engine
+    torch.manual_seed(0)
+    logits = torch.randn(3, model.config.vocab_size) * 3
+    params = [SamplingParams(8, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 5.0, 4: -100.0}),
+              SamplingParams(8, repetition_penalty=1.5),
+              SamplingParams(8, min_tokens=4, stop_token_ids=[9])]
+    seqs = [e.new_sequence([1, 2, 2], p) for p in params]
+    for seq in seqs:
+        seq.tokens = [5, 6, 6]
+    got = logits.clone()
+    process(got, seqs, eos_ids={0})
+    want = logits.clone()
+    want[0, 5] -= 0.5 + 0.25
+    want[0, 6] -= 0.5 + 0.5
+    want[0, 3] += 5.0
+    want[0, 4] -= 100.0
+    for t in (1, 2, 5, 6):  # prompt and generated tokens: a positive logit divided, a negative multiplied
+        want[1, t] = want[1, t] / 1.5 if want[1, t] > 0 else want[1, t] * 1.5
+    want[2, [0, 9]] = float("-inf")  # three tokens generated, four asked for: no end yet
+    assert torch.equal(got, want)
+    seqs[2].tokens.append(7)
+    after = logits[2:].clone()
+    process(after, seqs[2:], eos_ids={0})
+    assert torch.equal(after[0], logits[2])  # min_tokens reached: nothing masked
+    # Log-probabilities are the model's own, before any processor.
+    tokens, entries = sample_batch(logits.clone(), [e.new_sequence([1], SamplingParams(8, logprobs=2,
+                                                                                         logit_bias={3: 100.0}))],
+                                   eos_ids={0})
+    assert tokens == [3] and entries[0][0] == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
+    assert [t for t, _ in entries[0][1]] == logits[0].topk(2).indices.tolist()
+
+
 def test_a_million_messages_are_refused_before_they_are_parsed(model):
     import json
     import tracemalloc

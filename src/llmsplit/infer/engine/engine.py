@@ -19,7 +19,7 @@ import torch
 
 from ...errors import ConfigError
 from .block_manager import BlockPool
-from .sampler import sample_batch
+from .sampler import logprob_entry, sample_batch
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
 from .step import PackedStep
@@ -105,9 +105,11 @@ class Engine:
         tokens, step, adapters = self.scheduler.inputs(batch)
         out = self.runner.forward(tokens, step, last_only=True, adapters=adapters)
         logits = (out[0] if isinstance(step, PackedStep) else out[:, -1]).float()
-        sampling, rows = self.scheduler.settle(batch)
-        for seq, token in zip(sampling, sample_batch(logits[rows], sampling)):
-            self._advance(seq, token)
+        sampling, rows, scored = self.scheduler.settle(batch)
+        for seq, start, first, n in scored:
+            _score_prompt(seq, start, logits[first:first + n])
+        for seq, token, entry in zip(sampling, *sample_batch(logits[rows], sampling, self.eos_ids)):
+            self._advance(seq, token, entry)
         return self.scheduler.collect()
 
     def generate(self, seqs: list[Sequence], on_text=None) -> list[Sequence]:
@@ -127,7 +129,7 @@ class Engine:
             raise
         return seqs
 
-    def _advance(self, seq: Sequence, nxt: int) -> None:
+    def _advance(self, seq: Sequence, nxt: int, logprob=None) -> None:
         p = seq.params
         self.sampled_tokens += 1
         now = time.monotonic()
@@ -136,15 +138,18 @@ class Engine:
         seq.first_token, seq.last_token_at = False, now
         if seq.matcher is not None:
             seq.matcher.accept_token(nxt)  # the token came from its mask, so the grammar takes it
-        if nxt in self.eos_ids and not p.ignore_eos:
+        if (nxt in self.eos_ids and not p.ignore_eos) or nxt in p.stop_token_ids:
             seq.finish_reason = "stop"
             seq.text = self.tokenizer.decode(seq.tokens)  # with what the decoder still held back
         else:
             seq.tokens.append(nxt)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             before = len(seq.text)
             seq.text += seq.detok.step(nxt)
-            # Only a stop string that ends in the new text can be new.
-            hits = [i for i in (seq.text.find(s, max(0, before - len(s) + 1)) for s in p.stop) if i >= 0]
+            # Only a stop string that ends in the new text can be new; none counts before min_tokens.
+            stops = p.stop if len(seq.tokens) >= p.min_tokens else ()
+            hits = [i for i in (seq.text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
             if hits:
                 seq.text, seq.finish_reason = seq.text[:min(hits)], "stop"
             elif len(seq.tokens) >= p.max_new_tokens or seq.length >= self.max_context:
@@ -166,3 +171,17 @@ class Engine:
         if end > seq.emitted:
             seq.on_text(seq.text[seq.emitted:end])
             seq.emitted = end
+
+
+def _score_prompt(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """Record the prompt's log-probabilities (params.prompt_logprobs) from the logits of the
+    chunk of its context that starts at `start`: the row of position i scores token i + 1.
+    A recomputed context (after preemption) finds them recorded already."""
+    prompt, top = seq.prompt, seq.params.prompt_logprobs
+    if start == 0 and not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first token has nothing before it
+    logprobs = torch.log_softmax(logits, -1)
+    for i in range(logits.shape[0]):
+        target = start + i + 1
+        if target < len(prompt) and target == len(seq.prompt_logprobs):
+            seq.prompt_logprobs.append(logprob_entry(logprobs[i], prompt[target], top))

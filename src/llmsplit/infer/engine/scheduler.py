@@ -115,15 +115,24 @@ class Scheduler:
         for seq, start, n in batch.chunks:
             parts.append(self.pool.chunk(seq.id, start, n))
             tokens += seq.filling[start:start + n]
-        return torch.tensor([tokens]), PackedStep.pack(parts), adapters
+        every_row = [False] * len(batch.groups) + [_scores_prompt(seq) for seq, _, _ in batch.chunks]
+        return torch.tensor([tokens]), PackedStep.pack(parts, every_row), adapters
 
-    def settle(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
+    def settle(self, batch: Batch) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int, int]]]:
         """After the forward: chunks count as computed, a context filled to its end becomes
         findable by prefix; returns the sequences to sample and their rows of logits (every
-        decode, and each new sequence whose prompt is now complete)."""
+        decode, and each new sequence whose prompt is now complete), and the chunks whose every
+        row came back (prompt log-probabilities): (sequence, start, first row, rows)."""
         decoding = batch.decoding
-        sampling, rows = list(decoding), list(range(len(decoding)))
-        for row, (seq, start, n) in enumerate(batch.chunks, len(decoding)):
+        sampling, rows, scored = list(decoding), list(range(len(decoding))), []
+        first = len(decoding)
+        for seq, start, n in batch.chunks:
+            if _scores_prompt(seq):
+                scored.append((seq, start, first, n))
+                first += n
+            else:
+                first += 1
+            row = first - 1  # the chunk's last token: what a prompt filled to its end samples from
             seq.filled = start + n
             if seq.filled == len(seq.filling):
                 self.pool.commit(seq.id, seq.filling)
@@ -131,7 +140,7 @@ class Scheduler:
                 if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
                     sampling.append(seq)
                     rows.append(row)
-        return sampling, rows
+        return sampling, rows, scored
 
     def collect(self) -> list[Sequence]:
         """The running sequences that finished, their blocks returned."""
@@ -168,7 +177,9 @@ class Scheduler:
             else:
                 self.prompt_tokens += len(seq.prompt)
             # Another adapter computes other keys from the same tokens: prefixes are shared per adapter.
-            seq.filled = self.pool.match_prefix(seq.id, seq.filling, namespace=seq.adapter)
+            # A prompt to be scored is computed whole: cached blocks would leave its start unscored.
+            seq.filled = self.pool.match_prefix(seq.id, seq.filling, namespace=seq.adapter,
+                                                reuse=not _scores_prompt(seq))
             self.pool.append(seq.id, len(seq.filling) - seq.filled)
 
     def _make_room(self) -> list[Sequence]:
@@ -218,3 +229,9 @@ class Scheduler:
             return [decoding] if decoding else []
         by_id = {s.id: s for s in decoding}
         return [[by_id[i] for i in g] for g in self.pool.by_length(list(by_id))]
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether this chunk's every row of logits is wanted: the first fill of a prompt whose
+    log-probabilities were asked for (a recomputed one has them already)."""
+    return seq.params.prompt_logprobs is not None and not seq.tokens

@@ -49,12 +49,13 @@ class PackedStep:
     pick: torch.Tensor  # [n] rows whose logits are wanted (each part's sequences' last tokens)
 
     @staticmethod
-    def pack(parts: list[Step]) -> "PackedStep":
+    def pack(parts: list[Step], every_row: list[bool] | None = None) -> "PackedStep":
+        """`every_row[i]`: all of part i's rows are picked (a prompt being scored), not its last."""
         positions, pick, row = [], [], 0
-        for part in parts:
+        for i, part in enumerate(parts):
             b, n = part.gather.shape[0], part.slots.numel() // part.gather.shape[0]
             start = part.start if isinstance(part.start, torch.Tensor) else torch.full((b,), part.start)
             positions.append((start[:, None] + torch.arange(n)).reshape(-1))
-            pick.append(row + n - 1 + n * torch.arange(b))
+            pick.append(row + torch.arange(b * n) if every_row and every_row[i] else row + n - 1 + n * torch.arange(b))
             row += b * n
         return PackedStep(torch.cat(positions), torch.cat([p.slots for p in parts]), parts, torch.cat(pick))
