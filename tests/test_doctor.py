@@ -1,6 +1,8 @@
 import json
 import socket
+from pathlib import Path
 
+import pytest
 from helpers import run_cli
 
 
@@ -141,3 +143,48 @@ def test_the_training_thread_tuner_tries_one_thread_only_when_steps_slow_down(mo
     _, env = prepare_workers(4, [])
     assert env["OMP_NUM_THREADS"] == "7" and env[threads.CHOSEN_BY_LLMSPLIT] == "0"
     assert not threads.ThreadTuner(threads=2, uniform=True).enabled
+
+
+def _torch_check(monkeypatch, cuda, gpus, version="2.5.1+cu124", file=None):
+    """doctor's torch line on a machine whose torch says what the arguments say."""
+    import torch
+
+    from llmsplit.diagnose import doctor
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(doctor, "_device_checks", lambda torch: [])  # they would query the GPUs
+    if file:
+        monkeypatch.setattr(torch, "__file__", str(file))
+    return next(c for c in doctor.run_checks() if c.name == "torch")
+
+
+def test_a_cuda_build_without_a_gpu_names_its_size_and_the_cpu_build(monkeypatch, tmp_path):
+    import subprocess
+
+    import torch
+
+    package = Path(torch.__file__).parent
+    check = _torch_check(monkeypatch, "12.4", 0)
+    assert check.status == "WARN" and "2.5.1+cu124 (CUDA 12.4) on a machine with no GPU" in check.detail
+    # The size on disk of the installed package, as du measures it.
+    du_gib = int(subprocess.run(["du", "-sk", str(package)], capture_output=True, text=True).stdout.split()[0]) / 2**20
+    shown = float(check.detail.split("installed: torch ")[1].split(" GiB")[0])
+    assert shown == pytest.approx(du_gib, abs=0.1) and f"in {package}" in check.detail
+    # The version without its local suffix, from PyTorch's CPU index.
+    assert check.fix.endswith("pip install torch==2.5.1 --index-url https://download.pytorch.org/whl/cpu")
+    # The CUDA libraries pip installs beside it (nvidia-*-cu12 wheels) are counted too.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "nvidia" / "cublas").mkdir(parents=True)
+    (tmp_path / "nvidia" / "cublas" / "libcublas.so").write_bytes(b"\0" * (1 << 20))
+    check = _torch_check(monkeypatch, "12.4", 0, file=tmp_path / "torch" / "__init__.py")
+    assert f"its CUDA libraries 0.0 GiB in {tmp_path / 'nvidia'}" in check.detail
+
+
+def test_no_torch_build_warning_for_the_cpu_build_or_with_a_gpu(monkeypatch):
+    cpu = _torch_check(monkeypatch, None, 0, version="2.5.1+cpu")
+    assert (cpu.status, cpu.detail, cpu.fix) == ("OK", "2.5.1+cpu (CPU build)", "")
+    gpu = _torch_check(monkeypatch, "12.4", 2)
+    assert (gpu.status, gpu.detail, gpu.fix) == ("OK", "2.5.1+cu124 (CUDA 12.4)", "")

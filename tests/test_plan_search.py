@@ -2,6 +2,7 @@
 configs that `llmsplit train` accepts."""
 
 import json
+import shlex
 
 import pytest
 
@@ -131,6 +132,10 @@ def test_emit_config_is_accepted_by_train(tmp_path, capsys):
                    'micro_batch = 2\n')
     out = tmp_path / "plan.toml"
     assert main(["plan", "--model", str(src), "--gpus", "2", "--gpu", "cpu", "--emit-config", str(out)]) == 0
+    text = capsys.readouterr().out
+    # A CPU worker's memory is the host's: each layout says how much per worker and per node.
+    assert "GiB per worker, " in text and " GiB per node" in text
+    assert text.rstrip().endswith(f"llmsplit train --config {out} --nproc 2  # train it")
     cfg = load_config(out)
     validate(cfg, 2, model_config(cfg, 258), 258)
     assert cfg.train.steps == 2 and cfg.data.seq_len == 64  # the rest of the source config is kept
@@ -140,3 +145,53 @@ def test_emit_config_is_accepted_by_train(tmp_path, capsys):
                  "--emit-config", str(out2)]) == 0
     cfg2 = load_config(out2)
     validate(cfg2, 2, model_config(cfg2, 258), 258)
+
+
+def test_text_says_host_ram_per_device_and_node_why_faster_layouts_lose_and_what_to_run_next(capsys):
+    argv = ["plan", "--model", "llama-3-70b", "--gpus", "8", "--gpu", "H100-80GB"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    # Full fine-tuning of 70.55 B parameters at 16 bytes each fits 8 × 80 GB only offloaded:
+    # 131.4 GiB of host RAM per device, 8 of them on the node.
+    layout_lines = [line for line in lines if line.startswith("     dp=")]
+    assert len(layout_lines) == 5 and all(" GiB per device, " in line and " of 2048 GiB per node" in line
+                                          for line in layout_lines)
+    assert "(host RAM 131.4 GiB per device, 1051.3 of 2048 GiB per node)" in layout_lines[0]
+    # Each term's name is explained once, under the table.
+    legend = lines[lines.index("legend:") + 1:]
+    for name in ("params", "grads", "optim", "acts", "comm", "overhead", "total", "model state", "host RAM"):
+        assert sum(line.startswith(f"  {name} ") for line in legend) == 1, name
+    assert any(line.startswith("  comm        communication buffers: ") for line in legend)
+    # The faster layouts left out, one line each with its reason and a change that fits.
+    head = lines.index("faster layouts left out, closest to fitting first:")
+    left_out = lines[head + 1:head + 4]
+    assert all(line.startswith("  dp=") and "tok/s): " in line for line in left_out)
+    assert "model state 131.4 GiB > 79.1 GiB" in left_out[0] and left_out[0].endswith("use zero=3 with offload=cpu")
+    # It ends with what to run: LoRA and QLoRA, which fit without offload, else the offloaded config.
+    nxt = lines.index("next: full fine-tuning fits only with offload=cpu on 8 × H100-80GB; LoRA and QLoRA fit on "
+                      "the devices alone:")
+    commands = [line.split("  #")[0].strip() for line in lines[nxt + 1:]]
+    base = "llmsplit plan --model llama-3-70b --gpus 8 --gpu H100-80GB"
+    assert commands == [f"{base} --set lora.rank=16", f"{base} --set lora.rank=16 --set lora.base=nf4",
+                        f"{base} --emit-config plan.toml"]
+    for command in commands[:2]:  # the suggestions work, and fit without offload
+        assert main(shlex.split(command)[1:] + ["--json", "--top", "1"]) == 0
+        best = json.loads(capsys.readouterr().out)["layouts"][0]
+        assert best["fits"] and best["layout"]["offload"] == "none" and best["host_bytes_per_node"] == 0
+    # --json has the same, in new fields beside the old ones.
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(lay["host_bytes_per_node"] == 8 * lay["host_bytes_per_device"] for lay in doc["layouts"])
+    assert [lay["why_not"] for lay in doc["closest_excluded"]] == [line.split("tok/s): ")[1] for line in left_out]
+    assert [step["command"] for step in doc["next_step"]["steps"]] == commands
+
+
+def test_when_nothing_fits_but_qlora_does_it_says_so_before_the_last_line(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "1", "--gpu", "RTX4090-24GB", "--top", "1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "faster layouts left out, closest to fitting first:" not in lines  # the layouts shown are those
+    nxt = lines.index("next: full fine-tuning does not fit on 1 × RTX4090-24GB; QLoRA fits on the devices alone:")
+    assert lines[nxt + 1].startswith("  llmsplit plan --model llama-3-8b --gpus 1 --gpu RTX4090-24GB --set "
+                                     "lora.rank=16 --set lora.base=nf4  # QLoRA")
+    assert lines[-1] == "no layout of the 15 considered fits 1 × RTX4090-24GB"

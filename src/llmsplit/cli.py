@@ -259,10 +259,8 @@ def cmd_plan(args) -> int:
     report = plan(model=args.model, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes, seq_len=args.seq_len,
                   global_batch=args.global_batch, mode=args.mode, layout=args.layout, top=args.top,
                   precision=args.precision, quantize=args.quantize, emit_config=args.emit_config, sets=tuple(args.sets))
+    # With --emit-config the report's next step names the file written and the train command.
     print(json.dumps(report, indent=1) if args.json else format_report(report))
-    if args.emit_config:
-        print(f"llmsplit: wrote {args.emit_config} (run it with: llmsplit train --config {args.emit_config} "
-              f"--nproc {args.gpus})", file=sys.stderr)
     return 0 if report["fitting"] else 1  # a script can ask `plan` whether anything fits
 
 

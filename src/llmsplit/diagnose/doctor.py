@@ -32,9 +32,7 @@ def run_checks(master_addr: str | None = None, master_port: int | None = None) -
     import torch
     import torch.distributed as dist
 
-    checks = [Check("OK", "python", f"{platform.python_version()} ({sys.executable})")]
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
-    checks.append(Check("OK", "torch", f"{torch.__version__} ({build})"))
+    checks = [Check("OK", "python", f"{platform.python_version()} ({sys.executable})"), _torch_check(torch)]
     checks += _device_checks(torch)
     checks.append(Check("OK" if dist.is_available() and dist.is_gloo_available() else "FAIL", "gloo",
                         "available" if dist.is_gloo_available() else "missing",
@@ -47,6 +45,36 @@ def run_checks(master_addr: str | None = None, master_port: int | None = None) -
     checks += _network_checks()
     checks += _resource_checks()
     return checks
+
+
+def _torch_check(torch) -> Check:
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    detail = f"{torch.__version__} ({build})"
+    if not torch.version.cuda or (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        return Check("OK", "torch", detail)
+    # pip takes the CUDA build by default on Linux: gigabytes of CUDA libraries that a machine
+    # without a GPU never uses, and a bigger process for every worker that imports them.
+    package = os.path.dirname(torch.__file__)
+    cuda_libs = os.path.join(os.path.dirname(package), "nvidia")  # the nvidia-*-cu* wheels it pulls in
+    sizes = f"torch {_folder_bytes(package) / 2**30:.1f} GiB in {package}" + (
+        f", its CUDA libraries {_folder_bytes(cuda_libs) / 2**30:.1f} GiB in {cuda_libs}"
+        if os.path.isdir(cuda_libs) else "")
+    version = torch.__version__.split("+")[0]
+    return Check("WARN", "torch", f"{detail} on a machine with no GPU; installed: {sizes}",
+                 f"the CPU build is smaller on disk and in every process: pip install torch=={version} "
+                 f"--index-url https://download.pytorch.org/whl/cpu")
+
+
+def _folder_bytes(path: str) -> int:
+    """The disk space the files under `path` take (allocated blocks, as du counts them)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:  # removed while we walk
+                pass
+    return total
 
 
 def _device_checks(torch) -> list[Check]:

@@ -4,6 +4,7 @@ training config (for the trainer's self-check), and a runnable config for a layo
 from __future__ import annotations
 
 import copy
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,13 @@ from ..models.presets import PRESETS, preset_config
 from ..quant.sizes import MODES
 from .experts import expert_params_per_rank
 from .hardware import Device, get_device
-from .search import accepts, evaluate, search
+from .search import accepts, evaluate, first_fit, search
+
+# The suggestion when full fine-tuning fits only offloaded: LoRA at rank 16 (PEFT's and
+# torchtune's recipes use 8-64) and QLoRA, the same over a base stored as nf4.
+ADAPTERS = (("LoRA", {"lora_rank": 16}, "--set lora.rank=16", "LoRA, rank 16"),
+            ("QLoRA", {"lora_rank": 16, "lora_base": "nf4"}, "--set lora.rank=16 --set lora.base=nf4",
+             "QLoRA: the same over a base stored as nf4"))
 
 
 def resolve_model(model, tokenizer_vocab: int | None = None, sets: tuple[str, ...] = ()
@@ -85,6 +92,9 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
     result = search(cfg_model, work, gpus, device, fixed)
     cands = result["candidates"]
     shown = cands[:top]
+    command = None if isinstance(model, LlamaConfig) else _plan_command(model, gpus, device, sets, {
+        "--nodes": nodes, "--seq-len": seq_len, "--global-batch": global_batch, "--precision": precision,
+        "--layout": layout if isinstance(layout, str) else None})
     return {
         "model": {"name": name, "params": cfg_model.num_params(), "active_params": cfg_model.active_params(),
                   **cfg_model.to_dict()},
@@ -95,15 +105,55 @@ def plan_report(model, gpus: int, gpu: str | Device = "H100-80GB", nodes: int | 
                      "lora_base": work.lora_base, "quantize": work.quantize},
         "considered": len(cands), "fitting": sum(c.fits for c in cands),
         "advice": result["advice"],
-        "layouts": [_entry(cfg_model, c) for c in shown],
-        "best_runnable": _entry(cfg_model, result["runnable"][0]) if result["runnable"] else None,
+        "layouts": [_entry(cfg_model, c, device) for c in shown],
+        "best_runnable": _entry(cfg_model, result["runnable"][0], device) if result["runnable"] else None,
+        "closest_excluded": [_entry(cfg_model, c, device) for c in result["excluded"]],
+        "next_step": _next_step(command, cfg_model, work, gpus, device, result["runnable"], fixed is None),
     }
 
 
-def _entry(cfg: LlamaConfig, cand) -> dict:
+def _plan_command(model, gpus: int, device: Device, sets, flags: dict) -> str:
+    """This plan as a command line, for the next steps to add their flags to."""
+    words = ["llmsplit plan --model", shlex.quote(str(model)), f"--gpus {gpus} --gpu {device.name}"]
+    words += [f"{flag} {value}" for flag, value in flags.items() if value is not None]
+    words += [f"--set {shlex.quote(s)}" for s in sets]
+    return " ".join(words)
+
+
+def _next_step(command: str | None, cfg: LlamaConfig, work: Workload, gpus: int, device: Device,
+               fitting: list, every_layout: bool) -> dict | None:
+    """What to run next: write the best layout as a config; but when full fine-tuning fits only
+    with its state offloaded to host RAM (moved over PCIe every step), or not at all, first the
+    LoRA and QLoRA plans that fit on the devices alone (checked here, so the command works;
+    not after --layout, whose command would keep that layout)."""
+    if command is None or work.mode != "train":
+        return None
+    emit = [{"command": f"{command} --emit-config plan.toml",
+             "what": "write the layout as a config that llmsplit train runs"}] if fitting else []
+    plain = {"why": "train the best layout", "steps": emit} if emit else None
+    if work.lora_rank or not every_layout or any(c.layout.offload == "none" for c in fitting):
+        return plain
+    adapters = [(name, {"command": f"{command} {flags}", "what": what}) for name, keys, flags, what in ADAPTERS
+                if first_fit(cfg, replace(work, **keys), gpus, device, offload=False)]
+    if not adapters:
+        return plain
+    if emit:
+        emit[0]["what"] = "or full fine-tuning, offloaded: write its config"
+    full = "fits only with offload=cpu" if fitting else "does not fit"
+    return {"why": f"full fine-tuning {full} on {gpus} × {device.name}; "
+                   f"{' and '.join(name for name, _ in adapters)} {'fit' if len(adapters) > 1 else 'fits'} "
+                   f"on the devices alone",
+            "steps": [step for _, step in adapters] + emit}
+
+
+def _entry(cfg: LlamaConfig, cand, device: Device) -> dict:
     """A candidate as JSON; with pp > 1 also the layers of each pipeline stage, the split that
     training and inference run (`layout.stage_layers`), so anyone can compare them."""
     entry = cand.to_dict()
+    # The node's RAM the layout takes: the offloaded state of each device on it, or on the cpu
+    # device (whose memory is the host's) everything its workers hold.
+    on_host = cand.memory.total if device.kind == "cpu" else cand.memory.host
+    entry["host_bytes_per_node"] = on_host * device.gpus_per_node
     if cand.layout.pp > 1:
         entry["stage_layers"] = stage_layers(cfg, cand.layout)
     if cfg.n_experts:
@@ -208,6 +258,12 @@ def emit_config(model, gpus: int, gpu: str = "cpu", path: str | Path = "plan.tom
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_toml(cfg))
+    hw = report["hardware"]
+    train = f"llmsplit train --config {shlex.quote(str(out))} --nproc {hw['gpus_per_node']}"
+    if hw["nodes"] > 1:  # one command per machine (docs/multinode.md)
+        train += f" --nnodes {hw['nodes']} --node-rank R --master-addr NODE0 --master-port 29500"
+    report["next_step"] = {"why": f"wrote {out}", "steps": [{"command": train, "what": "train it" + (
+        f" (on each node, R = 0..{hw['nodes'] - 1})" if hw["nodes"] > 1 else "")}]}
     return out, report
 
 

@@ -151,8 +151,19 @@ def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout:
             cand.why_not = explain(cfg, cand, work, device, advice)
     if layout is not None and advice and candidates[0].why_not and "use " in candidates[0].why_not:
         advice = None  # the layout's own explanation already names the fix
-    return {"candidates": candidates, "advice": advice,
+    return {"candidates": candidates, "advice": advice, "excluded": closest_excluded(candidates),
             "runnable": [c for c in candidates if c.fits]}
+
+
+def closest_excluded(candidates: list[Candidate], n: int = 3) -> list[Candidate]:
+    """The layouts left out that a user would want most: those faster than the best fitting one
+    (why they lose is the news), closest to fitting first; with none faster, the closest."""
+    best = next((c for c in candidates if c.fits), None)
+    if best is None:
+        return []  # the layouts shown are then the excluded ones, each with its reason
+    left_out = [c for c in candidates if not c.fits]
+    faster = [c for c in left_out if c.cost.tokens_per_s > best.cost.tokens_per_s]
+    return (faster or left_out)[:n]
 
 
 def explain(cfg: LlamaConfig, cand: Candidate, work: Workload, device: Device, advice: str | None) -> str:
@@ -202,13 +213,18 @@ def smallest_fit(cfg: LlamaConfig, work: Workload, world: int, device: Device, o
     n = world * 2
     while n <= limit:
         # Keep the batch per device: more devices train on a proportionally larger batch.
-        scaled = replace(work, global_batch=work.global_batch * n // world)
-        for lay in enumerate_layouts(cfg, scaled, n, device, minimal=True):
-            if (lay.offload != "none") != offload:
-                continue
-            if fits(memory_per_device(cfg, lay, scaled, device), device):
-                return n, lay
+        lay = first_fit(cfg, replace(work, global_batch=work.global_batch * n // world), n, device, offload)
+        if lay:
+            return n, lay
         n *= 2
+    return None
+
+
+def first_fit(cfg: LlamaConfig, work: Workload, world: int, device: Device, offload: bool) -> Layout | None:
+    """A layout of the least-memory options that fits `world` devices, offloaded or not."""
+    for lay in enumerate_layouts(cfg, work, world, device, minimal=True):
+        if (lay.offload != "none") == offload and fits(memory_per_device(cfg, lay, work, device), device):
+            return lay
     return None
 
 
