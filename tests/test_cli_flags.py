@@ -1,7 +1,8 @@
 """Flags are checked before anything loads (issue 22): a value out of range exits 2 with one
 line naming the flag, from the parser, before a model is opened; the CLI refuses exactly the
 sampling values the library refuses; every option's help says its default; `train
---help-config` lists every config key with its default; `plan` exits 1 when nothing fits."""
+--help-config` lists every config key with its default, description and allowed values; a typo of a
+key or flag is answered with the closest one; `plan` exits 1 when nothing fits."""
 
 import dataclasses
 import json
@@ -107,6 +108,61 @@ def test_help_config_lists_every_key_with_its_default(capsys):
                 f'"{default}"' if isinstance(default, str) else repr(default)
             assert f"default {shown}" in line, line
     assert "one of 1f1b, gpipe" in next(ln for ln in lines if ln.startswith("  parallel.pp_schedule"))
+
+
+def test_help_config_says_what_each_key_means_what_it_allows_and_its_default_in_context(capsys):
+    """Issue 51: a description for every key (one place: config/keys.py's DOCS, none for a key
+    that is gone), the fixed values, and the default that applies with model.hf and [lora]."""
+    from llmsplit.config.keys import DOCS
+
+    keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(s.default_factory())}
+    assert set(DOCS) == keys
+    assert main(["train", "--help-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def said(key):  # the key's line and the description under it
+        at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [key])
+        return lines[at], lines[at + 1].strip()
+
+    assert said("lora.base")[0].endswith("one of none, nf4, int8")
+    assert said("lora.base")[1] == "the frozen base stored as 4-bit NF4 or int8 (QLoRA)"
+    assert said("data.format")[0].endswith("one of text, chat")
+    assert said("lora.targets")[0].endswith("a comma-separated list of q, k, v, o, gate, up, down")
+    assert said("train.lr") == ("  train.lr                         float          default 0.003 from scratch, 2e-05 with "
+                                "model.hf or model.gguf, 0.0002 with either and [lora] on (lora.rank > 0)",
+                                "peak learning rate, reached after train.warmup_steps")
+    assert "default 10 from scratch, 0 with model.hf or model.gguf" in said("train.warmup_steps")[0]
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["train", "--set", "train.lrr=1e-3"], "unknown config key 'train.lrr'; did you mean train.lr? (train has: "),
+    (["train", "--set", "lora.rnak=8"], "unknown config key 'lora.rnak'; did you mean lora.rank? (lora has: "),
+    (["train", "--set", "trian.steps=5"], "unknown config key 'trian.steps'; did you mean train.steps? (keys look "),
+    (["train", "--nprocs", "2"], "error: unrecognized arguments: --nprocs 2; did you mean --nproc? "
+                                 "(llmsplit train --help lists the flags)"),
+    (["serve", "--model", "m.gguf", "--max-bacth", "4"], "unrecognized arguments: --max-bacth 4; did you mean "
+                                                         "--max-batch?"),
+])
+def test_a_typo_gets_the_closest_key_or_flag_in_the_same_sentence(capsys, argv, said):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_train_generate_and_serve_help_end_with_three_examples_that_parse(capsys):
+    import shlex
+
+    from llmsplit.cli_args import EXAMPLES
+
+    parser = build_parser(COMMANDS)
+    for command in ("train", "generate", "serve"):
+        assert len(EXAMPLES[command]) == 3
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        for line, what in EXAMPLES[command]:
+            assert f"  # {what}\n  {line}\n" in out
+            args = parser.parse_args(shlex.split(line)[1:])
+            assert args.func is COMMANDS[command], line
 
 
 def test_plan_exits_1_and_says_so_last_when_no_layout_fits(capsys):

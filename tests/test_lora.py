@@ -115,20 +115,42 @@ MP = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2
 ADAPTER_PARAMS = 4 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
 
 
+REFERENCE_STDERR = []  # what the reference run printed
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("lora") / "run"
-    train(run, *MP, "train.micro_batch=8", nproc=1)
+    REFERENCE_STDERR.append(train(run, *MP, "train.micro_batch=8", nproc=1).stderr)
     return run
+
+
+def test_parameter_counts_are_the_whole_models_each_parameter_once():
+    """summary.json's params (the model's, as num_params computes them) and trainable_params
+    (LoRA: the adapters), counted on the whole model however a rank's share is split."""
+    from llmsplit.adapters.lora import parameter_counts
+
+    cfg = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=264)
+    assert parameter_counts(cfg, 4, "q,k,v,o,gate,up,down") == {"params": cfg.num_params(),
+                                                                 "trainable_params": ADAPTER_PARAMS}
+    tied = LlamaConfig(dim=64, n_layers=2, n_heads=4, vocab_size=264, ffn_dim=128, tie_embeddings=True)
+    assert parameter_counts(tied) == {"params": tied.num_params(), "trainable_params": tied.num_params()}
 
 
 @pytest.mark.slow
 def test_one_process_holds_gradients_and_state_of_the_adapters_only(reference):
+    from llmsplit.config import model_config
     from llmsplit.io import dcp_files
 
     summary = json.loads((reference / "summary.json").read_text())
     (rank0,) = summary["per_rank"]
     assert rank0["grad_bytes"] == 4 * ADAPTER_PARAMS and rank0["optim_bytes"] == 8 * ADAPTER_PARAMS
+    params = model_config(load_config(reference / "config.toml"), 258).num_params()
+    assert (summary["params"], summary["trainable_params"]) == (params, ADAPTER_PARAMS)
+    assert rank0["param_bytes"] == 4 * (params + ADAPTER_PARAMS)  # the one rank holds each parameter once
+    assert "frozen_base_bytes" not in summary  # an fp32 base: params says it
+    assert (f"llmsplit: model {params / 1e6:.2f}M parameters, frozen; trainable {ADAPTER_PARAMS / 1e6:.2f}M in LoRA "
+            f"adapters ({ADAPTER_PARAMS / params:.2%} of the model's)\n") in REFERENCE_STDERR[0]
     assert summary["plan_check"]["ratio_model_state"] == pytest.approx(1.0, abs=1e-3)  # the planner counts them
     saved = dcp_files.saved_model_shapes(dcp_files.read_metadata(reference / "checkpoints" / "step_4"))
     assert len(saved) == 4 * 7 * 2 and all(name.endswith(("lora_a", "lora_b")) for name in saved)
@@ -233,6 +255,39 @@ def test_lora_init_continues_from_a_peft_adapter_or_a_run(tmp_path):
     assert_close_losses(losses(tmp_path / "c"), step3)
     proc = train(tmp_path / "d", *sets, "lora.rank=8", f"lora.init={tmp_path / 'adapter'}", nproc=1, check=False)
     assert proc.returncode == 2 and "is an adapter of r=4, lora_alpha=8; set lora.rank" in proc.stderr
+
+
+def test_lora_on_trained_weights_takes_the_lora_lr_and_says_which_default_applied(tmp_path, capsys):
+    """Issue 51: with [lora] on model.hf an unset train.lr is LoRA's 2e-4 (full fine-tuning's 2e-5
+    barely moved SmolLM2's loss in 20 steps), the start says which defaults applied and why, and
+    an lr set far outside LoRA's usual range gets one warning line."""
+    from hf_models import make_hf_folder
+
+    from llmsplit.train.api import Workers, prepare_job
+
+    base = make_hf_folder(tmp_path / "base")
+    capsys.readouterr()  # transformers' progress bar of writing it
+
+    def prepared(*sets):
+        job = prepare_job(None, [f"model.hf={base}", *sets], None, "none", Workers(nproc=1))
+        return job.cfg.train, capsys.readouterr().err
+
+    t, err = prepared("lora.rank=4")
+    assert (t.lr, t.warmup_steps, t.weight_decay) == (2e-4, 0, 0.0)
+    assert err == ("llmsplit: model.hf holds trained weights, so the keys not set take fine-tuning values: "
+                   "train.lr=0.0002 (LoRA's: PEFT, TRL and torchtune recipes use 1e-4 to 3e-4), train.warmup_steps=0, "
+                   "train.weight_decay=0\n")
+    t, err = prepared()  # full fine-tuning keeps its own
+    assert t.lr == 2e-5 and "train.lr=2e-05 (full fine-tuning's: TRL's default, torchtune's recipes)" in err
+    for lr, said in (("1e-2", "far above LoRA's usual 1e-4 to 3e-4 (PEFT, TRL and torchtune recipes): the adapters "
+                               "can diverge (leave train.lr unset for the LoRA default 0.0002)"),
+                     ("2e-6", "far below LoRA's usual 1e-4 to 3e-4 (PEFT, TRL and torchtune recipes): the adapters "
+                              "barely learn")):
+        t, err = prepared("lora.rank=4", f"train.lr={lr}", "train.warmup_steps=5", "train.weight_decay=0.01")
+        assert t.lr == float(lr) and err.startswith(f"llmsplit: warning: train.lr={float(lr):g} is {said}"), err
+        assert err.count("\n") == 1, err  # every other key set: the warning alone
+    t, err = prepared("lora.rank=4", "train.lr=5e-4")  # within LoRA's range (issue 51's working recipe)
+    assert t.lr == 5e-4 and "warning" not in err
 
 
 def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():

@@ -10,10 +10,11 @@ import pytest
 import torch
 from helpers import assert_close_losses, losses, train
 
-from llmsplit.adapters.lora import apply_lora, init_lora
+from llmsplit.adapters.lora import apply_lora, init_lora, parameter_counts
 from llmsplit.adapters.qlora import dequantize, is_quantized, quantize_base, quantize_weight
 from llmsplit.config import ConfigError, load_config, model_config, validate
 from llmsplit.models.llama import LlamaConfig, Transformer
+from llmsplit.train.metrics import tensor_bytes
 
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=128, max_seq_len=32)
 
@@ -59,6 +60,9 @@ def test_a_quantized_base_computes_with_its_dequantized_weights(base):
     stored = sum(t.numel() * t.element_size() for t in (wq.quantized_data, wq.quantized_scalers)) if base == "nf4" \
         else wq.int_data.numel()
     assert stored <= wq.numel() * (0.52 if base == "nf4" else 1)
+    # summary.json's frozen_base_bytes, counted from the shapes, is what the quantized model holds (issue 51)
+    frozen = [p for p in quantized.parameters() if not p.requires_grad]
+    assert parameter_counts(CFG, 4, "q,v,down", base)["frozen_base_bytes"] == tensor_bytes(frozen)
 
 
 def test_nf4_weights_decode_into_one_workspace_as_torchao_decodes_them():
@@ -197,6 +201,9 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
     assert_close_losses(list(got), list(want), rtol=5e-3)
     assert_close_losses(got[:1], want[:1], rtol=5e-3)
     assert got != want  # bf16 did compute
-    (rank0, _) = json.loads((tmp_path / "ddp" / "summary.json").read_text())["per_rank"]
-    (ref0,) = json.loads((tmp_path / "ref" / "summary.json").read_text())["per_rank"]
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    (rank0, _), (ref0,) = ddp["per_rank"], json.loads((tmp_path / "ref" / "summary.json").read_text())["per_rank"]
     assert (rank0["grad_bytes"], rank0["optim_bytes"]) == (ref0["grad_bytes"], ref0["optim_bytes"])  # fp32 adapters
+    # A DDP rank holds the whole model: the stored base the summary counts, and the fp32 adapters.
+    assert rank0["param_bytes"] == ddp["frozen_base_bytes"] + 4 * ddp["trainable_params"]
+    assert ddp["trainable_params"] * 4 == rank0["grad_bytes"] and ddp["params"] == summary["params"]

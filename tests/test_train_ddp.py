@@ -29,6 +29,7 @@ def test_run_files_follow_the_spec(reference):
     # TINY by hand: 2 layers of 36,992 parameters (wq, wo 64·64; wk, wv 32·64; w1, w2, w3
     # 3·64·128; two norms of 64), embedding and head 2·264·64, the final norm 64.
     assert summary["params"] == 2 * 36_992 + 2 * 264 * 64 + 64 == 107_840
+    assert summary["trainable_params"] == 107_840 and "frozen_base_bytes" not in summary  # full training: all train
     for m in metrics:
         assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(m)
         assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * 32)  # global batch × seq_len

@@ -4,21 +4,83 @@ that command's flags; `cli.py` binds every command to its handler."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
+import sys
 from collections.abc import Callable
 
 EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
+# Three real commands each, after EPILOG in `train/generate/serve --help` (README's examples;
+# tests/test_cli_flags.py parses them). The GGUF file is README's SmolLM2-135M-Instruct.
+EXAMPLES = {
+    "train": [("llmsplit train --run-dir runs/quickstart", "README's Quickstart: the tiny model on the built-in corpus"),
+              ("llmsplit train --nproc 4 --set parallel.zero=3 --set parallel.tp=2", "FSDP x tensor parallel"),
+              ("llmsplit train --nproc 1 --set model.hf=path/to/hf_folder --set lora.rank=16",
+               "LoRA on a Hugging Face model")],
+    "generate": [("llmsplit generate --model runs/quickstart \"The def statement\"", "a run's newest checkpoint"),
+                 ("llmsplit generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat \"What is the capital of France?\"",
+                  "one chat turn"),
+                 ("llmsplit generate --model path/to/hf_folder --quantize int8 \"Hello\"", "int8 weights, quantized "
+                  "as they load")],
+    "serve": [("llmsplit serve --model SmolLM2-135M-Instruct.Q4_1.gguf --port 8000", "OpenAI-compatible on 127.0.0.1"),
+              ("llmsplit serve --model path/to/hf_folder --lora mascot=runs/mascot", "a LoRA run's adapters as model "
+               "\"mascot\" beside the base"),
+              ("llmsplit serve --model SmolLM2-135M-Instruct.Q4_1.gguf --host 0.0.0.0 --api-key KEY",
+               "other machines may connect, with the key")],
+}
+
+
+def _epilog(command: str) -> str:
+    lines = [f"  # {what}\n  {line}" for line, what in EXAMPLES[command]]
+    return EPILOG + "\n\nexamples:\n" + "\n".join(lines) + "\n"
 
 
 class Parser(argparse.ArgumentParser):
     """An error is one line naming the flag (argparse would print the whole usage first);
     subcommand parsers are of this class too."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)  # the command an unknown flag belongs to
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):
         # "argument --top-p: 2 must be at most 1" -> "--top-p 2 must be at most 1", as ConfigErrors name flags
         message = re.sub(r"^argument (--[\w-]+): (\S+ must be )", r"\1 \2", message)
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+        parser = self._command_parser()
+        if message.startswith("unrecognized arguments: "):
+            message += _closest_flag(message.removeprefix("unrecognized arguments: ").split(), parser)
+        self.exit(2, f"{self.prog}: error: {message} ({parser.prog} --help lists the flags)\n")
+
+    def _command_parser(self) -> argparse.ArgumentParser:
+        """The subcommand's parser when the command line names one (the top-level parser reports
+        the flags a subcommand did not know), else this one."""
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        return next((commands[w] for w in getattr(self, "argv", []) if w in commands), self)
+
+
+def _closest_flag(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """The end of the sentence that refuses `unknown`: the flag of `parser` that its first typo
+    likeliest meant (difflib), as "; did you mean --nproc?", or nothing."""
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    for word in unknown:
+        close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.6) if word.startswith("-") else []
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, except that a text with lines of its own (an epilog of examples) keeps them."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def number(kind: type, at_least=None, above=None, at_most=None) -> Callable:
@@ -60,11 +122,12 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
 
 def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or fine-tune a model on 1..N workers",
-                       description="Train on local workers started by llmsplit, or inside torchrun.", epilog=EPILOG)
+                       description="Train on local workers started by llmsplit, or inside torchrun.",
+                       epilog=_epilog("train"))
     p.add_argument("--config", metavar="FILE.toml", help="TOML config (default: the tiny model on the built-in "
                    "corpus; --help-config lists every key)")
     p.add_argument("--help-config", action=_ConfigKeysAction,
-                   help="list the config keys with their defaults and exit")
+                   help="list the config keys with what each means, its allowed values and its default, and exit")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=10 (repeatable; default none)")
     p.add_argument("--nproc", type=COUNT, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
@@ -92,7 +155,7 @@ def _add_generate(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="load a model split across devices and generate text",
                        description="Print the continuation of PROMPT (the prompt is not repeated). Environment: "
                                    "LLMSPLIT_GPU_COUNT and LLMSPLIT_GPU_MEMORY_LIMIT (bytes or e.g. 20GiB per GPU) "
-                                   "limit the GPUs used.", epilog=EPILOG)
+                                   "limit the GPUs used.", epilog=_epilog("generate"))
     p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf|PEFT_DIR",
                    help="a run folder or checkpoint, a Hugging Face Llama-family folder, a GGUF file, or a PEFT LoRA "
                         "adapter folder (merged over the base its adapter_config.json names)")
@@ -128,7 +191,7 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                                    "\"stream\": true), GET /health and GET /metrics, batching all live requests "
                                    "together. SIGTERM or Ctrl-C drains in-flight requests, then stops. Environment: "
                                    "LLMSPLIT_API_KEY (default of --api-key), LLMSPLIT_GPU_COUNT and "
-                                   "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=EPILOG)
+                                   "LLMSPLIT_GPU_MEMORY_LIMIT as for generate.", epilog=_epilog("serve"))
     p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf|PEFT_DIR",
                    help="a run folder or checkpoint, a Hugging Face Llama-family folder, a GGUF file, or a PEFT LoRA "
                         "adapter folder (merged over the base its adapter_config.json names)")
@@ -310,38 +373,10 @@ class _ConfigKeysAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        from .config import config_keys_text
+
         print(config_keys_text(), end="")
         parser.exit(0)
-
-
-def config_keys_text() -> str:
-    """Every config key with its type and default, read from the config dataclasses (so the
-    list cannot drift from what `--set` accepts), with the allowed values where fixed."""
-    import dataclasses
-
-    from .config import CHOICES, Config
-    from .layout.spec import CHECKPOINTING, OFFLOADS, SCHEDULES
-
-    choices = {**CHOICES, "parallel.pp_schedule": SCHEDULES, "memory.activation_checkpoint": CHECKPOINTING,
-               "memory.offload": OFFLOADS}
-    lines = ["Config keys: a [SECTION] of a TOML file, or --set SECTION.KEY=VALUE. Unset keys take their value",
-             "from elsewhere (model.* from the preset or the model.hf folder); parallel.dp -1: the workers left",
-             "after tp and pp."]
-    for section in dataclasses.fields(Config):
-        lines.append(f"\n[{section.name}]")
-        for f in dataclasses.fields(section.default_factory()):
-            default = getattr(section.default_factory(), f.name)
-            shown = "unset" if default is None else _toml_text(default)
-            allowed = choices.get(f"{section.name}.{f.name}")
-            lines.append(f"  {section.name + '.' + f.name:<32} {f.type!s:<14} default {shown}"
-                         + (f"; one of {', '.join(allowed)}" if allowed else ""))
-    return "\n".join(lines) + "\n"
-
-
-def _toml_text(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 # In the order `llmsplit --help` lists them.

@@ -134,6 +134,29 @@ def apply_lora(model: Transformer, rank: int, alpha: float, dropout: float, targ
             layer.lora_scale, layer.lora_dropout = alpha / rank, dropout
 
 
+def parameter_counts(model_cfg, rank: int = 0, targets: str = "", base: str = "none") -> dict:
+    """The run's parameters, each counted once, on the whole model: `params` the model's (the
+    figure `num_params` computes; LoRA's adapters are not in it), `trainable_params` those the
+    optimizer updates (LoRA's: the adapters of `rank` on `targets`), and with a quantized base
+    (QLoRA) `frozen_base_bytes`, what the frozen parameters take as stored. Built on the meta
+    device (no memory): a rank's own model holds its tensor / pipeline / ZeRO share only."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+        if rank:
+            apply_lora(model, rank, 1.0, 0.0, parse_targets(targets))
+    named = dict(model.named_parameters())  # a tied head is the embedding's Parameter: named once
+    counts = {"params": sum(p.numel() for name, p in named.items() if not is_adapter(name)),
+              "trainable_params": sum(p.numel() for p in named.values() if p.requires_grad)}
+    if rank and base != "none":
+        from .qlora import base_weight_paths, stored_nbytes
+
+        quantized = {id(module.weight) for module, _ in base_weight_paths(model)}
+        counts["frozen_base_bytes"] = sum(stored_nbytes(tuple(p.shape), base) if id(p) in quantized
+                                          else p.numel() * p.element_size()
+                                          for p in named.values() if not p.requires_grad)
+    return counts
+
+
 def _adapter_tensors(weight: torch.Tensor, rank: int, in_features: int, out_features: int):
     """A and B, on the weight's device and split like it (see the module's docstring)."""
     a = torch.empty(rank, in_features, device=weight.device, dtype=weight.dtype)

@@ -92,6 +92,18 @@ def quantize_weight(w: torch.Tensor, base: str) -> torch.Tensor:
         return Int8QuantizedTrainingLinearWeight.from_float(w)
 
 
+def stored_nbytes(shape: tuple[int, int], base: str) -> int:
+    """Bytes `quantize_weight` stores for a weight of `shape` [out, in], counted from the shape
+    (a model's count needs no quantizing): torchao's NF4Tensor holds the 4-bit codes, an int8
+    scale per block, an fp32 factor per `_scaler_block` scales, an fp32 mean and its 16-value
+    fp32 table; its int8 weight one byte a value and an fp32 scale per row."""
+    out_features, n = shape[0], shape[0] * shape[1]
+    if base == "int8":
+        return n + 4 * out_features
+    blocks = n // NF4_BLOCK
+    return n // 2 + blocks + 4 * (blocks // _scaler_block(blocks)) + 4 + 4 * 16
+
+
 def dequantize(w: torch.Tensor) -> torch.Tensor:
     """The float32 weight a quantized base computes with (what a reference model is given)."""
     if hasattr(w, "get_original_weight"):

@@ -19,6 +19,13 @@ ModelSection = dataclasses.make_dataclass("ModelSection", [
     *[(f.name, f"{f.type.split('|')[0].strip()} | None", field(default=None)) for f in fields(LlamaConfig)]])
 
 
+# The values of the train keys a user leaves unset in a run that loads trained weights (model.hf
+# or model.gguf), instead of TrainSection's from-scratch ones; why these numbers:
+# train/finetune.py, which applies them. With [lora] on (lora.rank > 0) the lr is LORA_LR.
+FINETUNE_DEFAULTS = {"train.lr": 2e-5, "train.warmup_steps": 0, "train.weight_decay": 0.0}
+LORA_LR = 2e-4
+
+
 @dataclass
 class TrainSection:
     steps: int = 120

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import NoReturn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -13,6 +14,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..errors import ConfigError
+from .keys import closest_key
 from .sections import Config
 
 
@@ -53,14 +55,21 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> 
 def set_key(cfg: Config, dotted: str, value) -> None:
     section_name, _, key = dotted.partition(".")
     if section_name not in _sections() or not key:
-        raise ConfigError(f"unknown config key {dotted!r}; keys look like SECTION.KEY with SECTION one of "
-                          f"{', '.join(_sections())}")
+        _refuse_key(dotted, f"keys look like SECTION.KEY with SECTION one of {', '.join(_sections())}")
     section = getattr(cfg, section_name)
     known = {f.name: f for f in fields(section)}
     if key not in known:
-        raise ConfigError(f"unknown config key {dotted!r}; {section_name} has: {', '.join(known)}")
+        _refuse_key(dotted, f"{section_name} has: {', '.join(known)}")
     setattr(section, key, _coerce(dotted, value, known[key].type))
     cfg.explicit.add(dotted)
+
+
+def _refuse_key(dotted: str, known: str) -> NoReturn:
+    """An unknown key, in one sentence with the key it likeliest meant (a typo), else what is known."""
+    guess = closest_key(dotted)
+    if guess:
+        raise ConfigError(f"unknown config key {dotted!r}; did you mean {guess}? ({known})")
+    raise ConfigError(f"unknown config key {dotted!r}; {known}")
 
 
 def _sections() -> list[str]:

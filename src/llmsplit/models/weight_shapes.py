@@ -20,6 +20,7 @@ Shape = tuple[int, ...]
 # bound is what keeps a config read without weights (`plan --model FOLDER` on a config.json
 # alone) from making per-layer lists of whatever length it claims.
 MAX_LAYERS = 1024
+VALUE_CHOICES = {"router_score": ("softmax", "sigmoid"), "mlp_act": ("silu", "gelu_tanh")}  # the string fields' values
 
 
 def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:
@@ -75,7 +76,7 @@ def structure_problem(cfg: LlamaConfig, key: Callable[[str], str] = str) -> str 
     if cfg.n_kv_heads > cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         return (f"{key('n_heads')} {cfg.n_heads} is not a multiple of {key('n_kv_heads')} {cfg.n_kv_heads} "
                 f"(each key/value head serves a whole group of query heads)")
-    for field, allowed in (("router_score", ("softmax", "sigmoid")), ("mlp_act", ("silu", "gelu_tanh"))):
+    for field, allowed in VALUE_CHOICES.items():
         if getattr(cfg, field) not in allowed:
             return f"{key(field)} is {getattr(cfg, field)!r}; it must be one of {', '.join(map(repr, allowed))}"
     if cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts:

@@ -30,6 +30,18 @@ class Progress:
             self.bar.close()
 
 
+def parameter_line(counts: dict, base: str = "none") -> str:
+    """The run's parameters as its start says them (PEFT's print_trainable_parameters' figures)."""
+    params, trainable = counts["params"], counts["trainable_params"]
+    if trainable == params:
+        return f"model {params / 1e6:.2f}M parameters, all trainable"
+    line = (f"model {params / 1e6:.2f}M parameters, frozen; trainable {trainable / 1e6:.2f}M in LoRA adapters "
+            f"({trainable / params:.2%} of the model's)")
+    if "frozen_base_bytes" in counts:
+        line += f"; the frozen base stored as {base} in {counts['frozen_base_bytes'] / 2**20:.1f} MiB"
+    return line
+
+
 def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> None:
     lay = summary["layout"]
     rows = [

@@ -105,10 +105,11 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     shutil.move(tmp, path)
 
 
-def run_summary(cfg: Config, world: int, model_cfg, history: list[dict], per_rank: list[dict], run_dir: Path,
+def run_summary(cfg: Config, world: int, counts: dict, history: list[dict], per_rank: list[dict], run_dir: Path,
                 micro_batch: int) -> dict:
-    """summary.json's content; `micro_batch` is the one the run trained with (--auto's trial
-    may have chosen another than the config's)."""
+    """summary.json's content; `counts` the model's parameters (adapters.lora.parameter_counts),
+    `micro_batch` the one the run trained with (--auto's trial may have chosen another than the
+    config's)."""
     par, mem = cfg.parallel, cfg.memory
     timed = history[1:] or history  # the first step pays for warm-up
     total_time = sum(r["step_time_s"] for r in timed)
@@ -123,7 +124,7 @@ def run_summary(cfg: Config, world: int, model_cfg, history: list[dict], per_ran
         "steps": cfg.train.steps,
         "final_loss": final_loss,
         "tokens_per_s": tokens / total_time if total_time > 0 else 0.0,
-        "params": model_cfg.num_params(),
+        **counts,  # params, trainable_params (and frozen_base_bytes over a quantized base)
         "precision": cfg.train.precision,
         "per_rank": sorted(per_rank, key=lambda r: r["rank"]),
     }

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..adapters.lora import parameter_counts
 from ..config import Config, config_from_toml, layout_of, model_config, to_toml, workload_of
 from ..data.datasets import build_samplers
 from ..data.loader import Batch
@@ -43,6 +44,7 @@ from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .moe_stats import ExpertStats
 from .profile import StepProfiler
+from .progress import parameter_line
 from .profile import report as profile_report
 from .resume_check import run_inputs
 from .run_files import (
@@ -114,6 +116,10 @@ class Trainer:
             write_run_config(self.run_dir, cfg)  # config.toml and the run's copy of its tokenizer files
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.model_cfg = model_config(cfg, tokenizer.vocab_size)
+        self.counts = None  # the whole model's parameters, counted by rank 0 (summary.json's params, trainable_params)
+        if self.rank0:
+            self.counts = parameter_counts(self.model_cfg, cfg.lora.rank, cfg.lora.targets, cfg.lora.base)
+            print(f"llmsplit: {parameter_line(self.counts, cfg.lora.base)}", file=sys.stderr, flush=True)
         self.mesh = Mesh(ParallelDims.from_config(cfg.parallel), device.type)
         self.dp_rank, self.dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
         weights = pretrained_weights(cfg)
@@ -275,8 +281,7 @@ class Trainer:
         if not self.rank0:
             return None
         self.log.close()
-        summary = run_summary(self.cfg, self.world, self.model_cfg, history, gathered, self.run_dir,
-                              self.micro_batch)
+        summary = run_summary(self.cfg, self.world, self.counts, history, gathered, self.run_dir, self.micro_batch)
         summary.update(data_summary(self, history))
         if self.pipeline_times is not None:
             summary["pipeline"] = bubble_report(self.pm.schedule, gathered, self.cfg.parallel,
