@@ -157,6 +157,89 @@ def test_greedy_output_equals_llmsplit_generate(server, folder):
     assert r.choices[0].text + "\n" == want
 
 
+def test_log_probabilities_score_the_prompt_as_a_full_forward_does(server, folder):
+    import torch
+
+    import llmsplit
+
+    c = client(server)
+    ids = folder_tokens(folder, PROMPT)
+    # lm-eval's loglikelihood request: the prompt scored, nothing generated.
+    r = c.completions.create(model="llama", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT and r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    m = llmsplit.load(folder)
+    try:
+        full = torch.log_softmax(m.logits(torch.tensor([ids]))[0], -1)
+        texts = [m.tokenizer.decode([i]) for i in range(full.shape[-1])]
+    finally:
+        m.close()
+    want = [full[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-4
+    for i in range(1, len(ids)):  # the two likeliest, and the prompt's own token
+        assert set(lp.top_logprobs[i]) == {texts[t] for t in full[i - 1].topk(2).indices.tolist()} | {lp.tokens[i]}
+    # Generated tokens: greedy, so each is the likeliest; streamed, the same values in pieces.
+    g = c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1, echo=True,
+                             extra_body={"ignore_eos": True})
+    glp = g.choices[0].logprobs
+    assert g.choices[0].text.startswith(PROMPT) and len(glp.tokens) == len(ids) + 5
+    assert glp.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert all(glp.top_logprobs[i][glp.tokens[i]] == max(glp.top_logprobs[i].values()) for i in range(len(ids), len(ids) + 5))
+    chunks = list(c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(glp.token_logprobs[len(ids):], abs=1e-5)
+    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                     temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and "".join(x.token for x in content) == chat.choices[0].message.content
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].token == x.token for x in content)
+
+
+def test_sampling_controls_change_the_tokens_as_they_say(server):
+    c = client(server)
+    base = dict(model="llama", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    plain = c.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    # A +100 bias makes a token the greedy choice every time; stop_token_ids ends before it.
+    forced = c.completions.create(**base, logit_bias={"7": 100}, extra_body={"ignore_eos": True})
+    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+    stopped = c.completions.create(**base, extra_body={"ignore_eos": True, "logit_bias": {"7": 100},
+                                                       "stop_token_ids": [7]})
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    # A strong presence penalty forbids repeating a generated token.
+    repeated = len(plain) - len(set(plain))
+    fresh = c.completions.create(**base, presence_penalty=2, extra_body={"ignore_eos": True,
+                                                                         "repetition_penalty": 2}).choices[0]
+    assert len(set(fresh.logprobs.tokens)) >= len(set(plain)) and (repeated == 0 or fresh.logprobs.tokens != plain)
+
+
+def test_n_samples_share_the_prompt_and_repeat_their_seeds(server):
+    c = client(server)
+    prompt = PROMPT + " of a function in Python binds its name to the code that the body of the definition holds"
+    base = dict(model="llama", prompt=prompt, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    before = metrics(server)
+    many = c.completions.create(**base, n=3, seed=11, logprobs=0)
+    hits = metrics(server)["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    assert [ch.index for ch in many.choices] == [0, 1, 2] and many.usage.completion_tokens == 18
+    assert hits >= 2 * 16, hits  # samples 1 and 2 took the first's full prompt blocks from the cache
+    # Sample i draws from seed + i: the same text as a single request with that seed.
+    alone = [c.completions.create(**base, seed=11 + i).choices[0].text for i in range(3)]
+    assert [ch.text for ch in many.choices] == alone
+    # best_of: the likeliest of the samples (by the sum of their tokens' log-probabilities).
+    sums = [sum(ch.logprobs.token_logprobs) for ch in many.choices]
+    best = c.completions.create(**base, n=1, best_of=3, seed=11)
+    assert [ch.text for ch in best.choices] == [alone[sums.index(max(sums))]]
+    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4,
+                                     seed=3, extra_body={"ignore_eos": True})
+    streamed = {0: "", 1: ""}
+    for chunk in c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                           max_tokens=4, seed=3, stream=True, extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert [streamed[0], streamed[1]] == [ch.message.content for ch in chat.choices]
+
+
 def test_seeded_sampling_repeats(server):
     c = client(server)
     ask = lambda seed: c.completions.create(model="llama", prompt=PROMPT, max_tokens=12, temperature=1.0,  # noqa: E731
@@ -245,12 +328,24 @@ def chat_body(content="Hi", **fields):
     ("unknown route", dict(json={}, path="/v1/embeddings"), 404),
     # Fields that would change the answer and are not implemented: refused, never ignored.
     *[(f"unsupported {field}", dict(json={"prompt": "x", field: value}, param=field), 400) for field, value in [
-        ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "!"), ("logprobs", 3), ("logit_bias", {"5": 100}),
-        ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_tokens", 5), ("repetition_penalty", 1.2)]],
+        ("suffix", "!")]],
     *[(f"unsupported chat {field}", dict(json=chat_body(**{field: value}), path=CHAT, param=field), 400)
       for field, value in [
-        ("logprobs", True), ("top_logprobs", 2), ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
-        ("audio", {"voice": "alloy", "format": "wav"})]],
+        ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"})]],
+    # Hostile or out-of-range values of the implemented ones: a 400 naming the field.
+    *[(f"bad {field}", dict(json={"prompt": "x", **{field: value}}, param=field), 400) for field, value in [
+        ("logprobs", 21), ("logit_bias", {"1000000": 5}), ("logit_bias", {"5": 101}), ("presence_penalty", 2.5),
+        ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5), ("stop_token_ids", [-1])]],
+    ("min_tokens above max_tokens", dict(json={"prompt": "x", "max_tokens": 2, "min_tokens": 3}, param="min_tokens"),
+     400),
+    ("max_tokens 0 without echo", dict(json={"prompt": "x", "max_tokens": 0}, param="max_tokens"), 400),
+    ("top_logprobs of 10**4", dict(json=chat_body(logprobs=True, top_logprobs=10**4), path=CHAT,
+                                   param="top_logprobs"), 400),
+    ("top_logprobs without logprobs", dict(json=chat_body(top_logprobs=2), path=CHAT, param="top_logprobs"), 400),
+    ("n of 10**6", dict(json={"prompt": "x", "n": 10**6}, param="n"), 400),
+    ("best_of below n", dict(json={"prompt": "x", "n": 3, "best_of": 2}, param="best_of"), 400),
+    ("best_of streamed", dict(json={"prompt": "x", "best_of": 2, "stream": True}, param="best_of"), 400),
+    ("n beyond what the server holds", dict(json={"prompt": "x", "n": 37}, param="prompt"), 400),  # 4 + 32
     ("unknown response_format", dict(json=chat_body(response_format={"type": "yaml"}), path=CHAT,
                                      param="response_format.type"), 400),
     ("tool_choice without tools", dict(json=chat_body(tool_choice="required"), path=CHAT, param="tool_choice"), 400),
@@ -376,6 +471,31 @@ def test_a_client_timing_out_on_a_plain_request_frees_its_blocks(server):
     assert after["generated_tokens_total"] - before["generated_tokens_total"] < LONG
 
 
+def test_an_ollama_client_leaving_frees_its_blocks(server):
+    # Ollama has no ignore_eos: take a prompt whose greedy answer runs 64 tokens without an end,
+    # which a random model's greedy loop then keeps doing (the same tokens each time).
+    body = {"model": "llama", "raw": True, "stream": False, "options": {"temperature": 0, "num_predict": 64}}
+    ask = lambda p: httpx.post(f"{server}/api/generate", json={**body, "prompt": p},  # noqa: E731
+                               headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["done_reason"]
+    prompt = next((p for p in ("x", "Hi", "a", "b", "c", "d") if ask(p) == "length"), None)
+    assert prompt is not None, "no prompt runs on without an end"
+    before = metrics(server)
+    body = {**body, "prompt": prompt, "stream": True, "options": {"temperature": 0, "num_predict": LONG}}
+    with httpx.stream("POST", f"{server}/api/generate", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as r:
+        # Not the first line: a random model's text can be bytes that only decode at the end.
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        wait_for(lambda: metrics(server)["kv_blocks_used"] > 0)  # it is generating now
+    assert wait_idle(server, timeout=2)["kv_blocks_used"] == 0  # left mid-stream: freed at once
+    with pytest.raises(httpx.ReadTimeout):  # a plain request (stream false) given up on
+        httpx.post(f"{server}/api/generate", json={**body, "stream": False}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=0.2)
+    after = wait_idle(server, timeout=2)
+    assert after["kv_blocks_used"] == 0
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] < 2 * LONG  # aborted, not run out
+    assert after["requests_finished_total"] == before["requests_finished_total"]
+
+
 def test_full_queue_gets_429_and_sigterm_drains(folder, tmp_path):
     with live_server(folder, tmp_path, "--max-batch", "1", "--max-queue", "1") as (url, proc, log):
         body = {"prompt": "x", "max_tokens": LONG, "ignore_eos": True}
@@ -478,6 +598,79 @@ def test_tool_calls_come_back_in_openais_shape(server):
     # This test model's template does not render tools: the model could not see them.
     with pytest.raises(openai.BadRequestError, match="does not render tools"):
         c.chat.completions.create(model="llama", messages=messages, tools=tools, max_tokens=4)
+
+
+def ollama_client(url):
+    ollama = pytest.importorskip("ollama")
+    # The shared server runs with --api-key, which guards Ollama's /api/ routes as it does /v1.
+    return ollama, ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def test_ollama_client_lists_shows_and_answers_as_llmsplit_generate_does(server, folder):
+    ollama, c = ollama_client(server)
+    (card,) = c.list().models
+    assert card.model == "llama" and card.size > 0 and len(card.digest) == 64 and card.details.family == "llama"
+    shown = c.show("llama:latest")  # Ollama's default tag names the same model
+    assert shown.modelinfo["llama.context_length"] == 1024 and shown.capabilities == ["completion"]
+    assert [m.context_length for m in c.ps().models] == [1024]
+    assert httpx.get(f"{server}/api/version", timeout=10).status_code == 401  # the key guards /api/ too
+    # raw: the prompt as it is, as `llmsplit generate` takes it; temperature 0 is greedy there too.
+    want = run_cli("generate", "--model", str(folder), PROMPT, "--max-new-tokens", "12").stdout
+    options = {"temperature": 0, "num_predict": 12}
+    whole = c.generate(model="llama", prompt=PROMPT, raw=True, options=options)
+    assert whole.response + "\n" == want and whole.done and whole.done_reason in ("stop", "length")
+    assert whole.prompt_eval_count == len(folder_tokens(folder, PROMPT)) and whole.eval_count <= 12
+    assert whole.total_duration >= whole.prompt_eval_duration + whole.eval_duration and whole.load_duration == 0
+    parts = list(c.generate(model="llama", prompt=PROMPT, raw=True, options=options, stream=True))
+    assert "".join(p.response for p in parts) == whole.response
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert parts[-1].eval_count == whole.eval_count and parts[-1].done_reason == whole.done_reason
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is def?"}]
+    chat = c.chat(model="llama", messages=messages, options={"temperature": 0, "num_predict": 10})
+    assert chat.message.role == "assistant" and 0 < chat.eval_count <= 10
+    streamed = list(c.chat(model="llama", messages=messages, options={"temperature": 0, "num_predict": 10},
+                           stream=True))
+    assert "".join(p.message.content for p in streamed) == chat.message.content
+    assert streamed[-1].done and streamed[-1].eval_count == chat.eval_count
+    # The OpenAI route renders the same template: the same greedy answer.
+    same = client(server).chat.completions.create(model="llama", messages=messages, max_tokens=10, temperature=0)
+    assert same.choices[0].message.content == chat.message.content
+
+
+def test_ollama_options_format_and_refusals(server):
+    ollama, c = ollama_client(server)
+    ask = lambda seed: c.generate(model="llama", prompt=PROMPT, raw=True,  # noqa: E731
+                                  options={"temperature": 1.0, "top_k": 0, "seed": seed, "num_predict": 12}).response
+    assert ask(7) == ask(7) != ask(8)
+    for bad, named in [({"frobnicate": 1}, "options.frobnicate"), ({"mirostat": 2}, "options.mirostat"),
+                       ({"num_ctx": 10**6}, "options.num_ctx"), ({"repeat_penalty": 3}, "options.repeat_penalty"),
+                       ({"repeat_penalty": 1.1, "repeat_last_n": 64}, "options.repeat_last_n"),
+                       ({"typical_p": 0.5}, "options.typical_p")]:
+        with pytest.raises(ollama.ResponseError, match=named) as caught:
+            c.generate(model="llama", prompt="x", options=bad)
+        assert caught.value.status_code == 400
+    for field in ({"template": "{{ .Prompt }}"}, {"think": True}):
+        with pytest.raises(ollama.ResponseError, match=next(iter(field))) as caught:
+            c.generate(model="llama", prompt="x", **field)
+        assert caught.value.status_code == 400
+    r = httpx.post(f"{server}/api/generate", content=b'{"prompt": "\\ud800"}',
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]  # Ollama's error shape
+    with pytest.raises(ollama.ResponseError, match="'nope' does not exist") as caught:
+        c.chat(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 404
+    with pytest.raises(ollama.ResponseError, match="embeddings") as caught:
+        c.embed(model="llama", input="x")
+    assert caught.value.status_code == 501
+    # Ignored: where the model runs and how long it stays loaded (the server decided those).
+    kept = c.generate(model="llama", prompt="x", keep_alive="5m", options={"num_thread": 8, "num_predict": 2})
+    assert kept.done
+    pytest.importorskip("xgrammar")
+    fmt = c.chat(model="llama", messages=[{"role": "user", "content": "Weather?"}], format=WEATHER,
+                 options={"temperature": 0, "num_predict": 60})
+    assert fmt.done_reason == "stop" and follows_weather(json.loads(fmt.message.content))
+    obj = c.generate(model="llama", prompt="JSON", format="json", options={"temperature": 0, "num_predict": 12})
+    assert obj.response.startswith("{")  # an object from its first token on
 
 
 def test_sigterm_aborts_what_outlasts_the_drain_timeout(folder, tmp_path):

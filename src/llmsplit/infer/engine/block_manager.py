@@ -60,17 +60,16 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def match_prefix(self, seq_id: int, tokens: list[int], namespace: int = 0, reuse: bool = True) -> int:
+    def match_prefix(self, seq_id: int, tokens: list[int], namespace: int = 0) -> int:
         """Give a new sequence the cached blocks its `tokens` start with; returns how many
         tokens they hold. The last token is always left to compute (its logits are needed).
         Blocks are shared within one `namespace` only (the LoRA adapter a sequence runs with:
-        the same tokens give other keys under other weights); its chain of hashes starts there.
-        `reuse=False`: none are given (every token is computed), the sequence is still registered."""
+        the same tokens give other keys under other weights); its chain of hashes starts there."""
         assert seq_id not in self.tables
         parent = self._roots[seq_id] = namespace.to_bytes(8, "little") if namespace else b""
         table = self.tables.setdefault(seq_id, [])
         self.query_tokens += len(tokens)
-        if self.prefix_caching and reuse:
+        if self.prefix_caching:
             for i in range((len(tokens) - 1) // self.block_size):
                 parent = self._hash(parent, tokens, i)
                 block = self._by_hash.get(parent)

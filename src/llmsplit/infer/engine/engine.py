@@ -70,14 +70,28 @@ class Engine:
     def prompt_tokens(self) -> int:
         return self.scheduler.prompt_tokens
 
-    def new_sequence(self, prompt: list[int], params: SamplingParams, adapter: int = 0) -> Sequence:
+    def new_sequences(self, prompt: list[int], params: SamplingParams, n: int, adapter: int = 0) -> list[Sequence]:
+        """`n` samples of one prompt: the first computes the prompt, the others start once it is
+        in the cache and share its blocks (Scheduler._admit); sample i draws from seed + i when a
+        seed is given, so the n results repeat."""
+        first = self.new_sequence(prompt, params, adapter)
+        rest = [self.new_sequence(prompt, params, adapter, seed_offset=i) for i in range(1, n)]
+        for seq in rest:
+            seq.parent = first
+        return [first, *rest]
+
+    def new_sequence(self, prompt: list[int], params: SamplingParams, adapter: int = 0,
+                     seed_offset: int = 0) -> Sequence:
         if not prompt:
             raise ConfigError("the prompt is empty; pass some text or token ids")
         if len(prompt) >= self.max_context:
             raise ConfigError(f"the prompt has {len(prompt)} tokens but the context holds {self.max_context}; "
                               f"shorten it or load with a larger max_context")
         gen = torch.Generator()
-        gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
+        if params.seed is not None:
+            gen.manual_seed((params.seed + seed_offset) % 2**64 if params.seed >= 0 else params.seed + seed_offset)
+        else:
+            gen.seed()
         self._next_id += 1
         return Sequence(self._next_id, list(prompt), params, gen, detok=self.tokenizer.stream(),
                         matcher=params.grammar.matcher() if params.grammar is not None else None, adapter=adapter)
@@ -178,8 +192,8 @@ def _score_prompt(seq: Sequence, start: int, logits: torch.Tensor) -> None:
     chunk of its context that starts at `start`: the row of position i scores token i + 1.
     A recomputed context (after preemption) finds them recorded already."""
     prompt, top = seq.prompt, seq.params.prompt_logprobs
-    if start == 0 and not seq.prompt_logprobs:
-        seq.prompt_logprobs.append(None)  # the first token has nothing before it
+    if not seq.prompt_logprobs:  # the first token has nothing before it; cached ones were not computed
+        seq.prompt_logprobs.extend([None] * (start + 1))
     logprobs = torch.log_softmax(logits, -1)
     for i in range(logits.shape[0]):
         target = start + i + 1

@@ -167,6 +167,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.pool.blocks_for(seq.length) + 1 > self.pool.free_blocks and self.running:
                 break  # wait until a running sequence returns its blocks
+            if seq.parent is not None and not seq.tokens and not _prompt_cached(seq.parent):
+                break  # one of n samples: its prompt's blocks come from the first's, filled in a step or two
             self.waiting.popleft()
             self.running.append(seq)
             # A preempted sequence recomputes its prompt and every token it generated but the
@@ -177,9 +179,10 @@ class Scheduler:
             else:
                 self.prompt_tokens += len(seq.prompt)
             # Another adapter computes other keys from the same tokens: prefixes are shared per adapter.
-            # A prompt to be scored is computed whole: cached blocks would leave its start unscored.
-            seq.filled = self.pool.match_prefix(seq.id, seq.filling, namespace=seq.adapter,
-                                                reuse=not _scores_prompt(seq))
+            # A prompt to be scored takes from the cache only blocks before its first scored token.
+            scored = _scores_prompt(seq)
+            seq.filled = self.pool.match_prefix(seq.id, seq.filling[:seq.params.prompt_logprobs_from] if scored
+                                                else seq.filling, namespace=seq.adapter)
             self.pool.append(seq.id, len(seq.filling) - seq.filled)
 
     def _make_room(self) -> list[Sequence]:
@@ -235,3 +238,9 @@ def _scores_prompt(seq: Sequence) -> bool:
     """Whether this chunk's every row of logits is wanted: the first fill of a prompt whose
     log-probabilities were asked for (a recomputed one has them already)."""
     return seq.params.prompt_logprobs is not None and not seq.tokens
+
+
+def _prompt_cached(seq: Sequence) -> bool:
+    """Whether `seq`'s prompt is in the cache (committed at the end of its fill), for the samples
+    that share it; also when it ended or failed, whose blocks were committed as it left."""
+    return seq.finish_reason is not None or (seq.filling is None and seq.filled > 0)

@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # end the sequence like EOS (not in the text)
     logprobs: int | None = None  # each generated token's log-probability and this many likeliest (0: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    # The first prompt token that must be scored: the blocks before it may come from the prefix
+    # cache (an evaluation's choices share their context's), those tokens then scored None.
+    prompt_logprobs_from: int = 1
 
     def check(self) -> None:
         """Refuse values out of range, each named as the parameter of `llmsplit.load(...).generate`
@@ -98,6 +101,9 @@ class Sequence:
     # likeliest); with params.prompt_logprobs: the same per prompt token (None for the first).
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    # One of a request's n samples after the first: it starts once `parent` (the first) has
+    # its prompt in the cache, and shares the prompt's full blocks through the prefix cache.
+    parent: "Sequence | None" = None
 
     @property
     def length(self) -> int:

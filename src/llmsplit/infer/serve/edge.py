@@ -1,14 +1,15 @@
 """The server's edge, before a request is parsed: how long it may take to arrive, who may send
 it, how large it may be, and the count of every answer by status.
 
-`Gate` is ASGI middleware around the whole app: the API key on /v1 routes (and on /metrics
-with `metrics_auth`), a cap on the body size and on the time its bytes take to arrive, and
-the status of every response counted for /metrics, 500s included (Starlette answers
-unhandled errors outside every middleware, where they would go uncounted, so the gate
-answers them itself). `TimedH11Protocol` is uvicorn's HTTP/1.1 protocol with a limit on
-the time a request's head (request line and headers) takes to arrive, which uvicorn lacks:
-its keep-alive timeout only runs between requests and stops at the first byte, so a client
-that sends half a header holds its connection forever.
+`Gate` is ASGI middleware around the whole app: the API key on /v1 and Ollama's /api/ routes
+(and on /metrics with `metrics_auth`), a cap on the body size and on the time its bytes take
+to arrive, and the status of every response counted for /metrics, 500s included (Starlette
+answers unhandled errors outside every middleware, where they would go uncounted, so the gate
+answers them itself); each refusal in the shape of the API asked, Ollama's or OpenAI's.
+`TimedH11Protocol` is uvicorn's HTTP/1.1 protocol with a limit on the time a request's head
+(request line and headers) takes to arrive, which uvicorn lacks: its keep-alive timeout only
+runs between requests and stops at the first byte, so a client that sends half a header
+holds its connection forever.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...errors import ConfigError
 from .protocol import APIError
 
 log = logging.getLogger("llmsplit.serve")
+OLLAMA_PREFIX = "/api/"  # Ollama's API (ollama.py), whose errors are shaped {"error": message}
 
 
 class _TooLarge(Exception):
@@ -44,7 +46,8 @@ class Gate:
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body, body_timeout
         self.statuses = statuses
         # /health stays open always (probes); /metrics only on request: scrapers often have no key.
-        self.guarded = ("/v1", "/metrics") if metrics_auth else ("/v1",)
+        # Ollama's API (/api/) answers from the same model as /v1, so the key guards it too.
+        self.guarded = ("/v1", OLLAMA_PREFIX, "/metrics") if metrics_auth else ("/v1", OLLAMA_PREFIX)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -61,21 +64,21 @@ class Gate:
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith(self.guarded) and not self._authorized(headers):
             return await error(APIError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
-                                        code="invalid_api_key"), counted_send)
+                                        code="invalid_api_key"), counted_send, scope["path"])
         try:
             declared = int(headers.get(b"content-length", 0))
         except ValueError:
-            return await error(APIError(400, "the Content-Length header is not a number"), counted_send)
+            return await error(APIError(400, "the Content-Length header is not a number"), counted_send, scope["path"])
         too_large = APIError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
         if declared > self.max_body:
-            return await error(too_large, counted_send)
+            return await error(too_large, counted_send, scope["path"])
         try:
             body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
         except _TooLarge:
-            return await error(too_large, counted_send)
+            return await error(too_large, counted_send, scope["path"])
         except asyncio.TimeoutError:
             return await error(APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                        code="request_timeout"), counted_send)
+                                        code="request_timeout"), counted_send, scope["path"])
         if body is None:
             return  # the client left while sending
         replayed = False
@@ -93,7 +96,8 @@ class Gate:
             if started:
                 raise  # mid-stream: nothing left to answer with; uvicorn closes the connection
             log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
-            await error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"), counted_send)
+            await error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"), counted_send,
+                        scope["path"])
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
@@ -117,8 +121,13 @@ class Gate:
         return body
 
 
-async def error(err: APIError, send) -> None:
-    body = json.dumps(err.body()).encode()
+def error_body(err: APIError, path: str) -> dict:
+    """The error as the API at `path` shapes it: Ollama's {"error": message}, else OpenAI's."""
+    return {"error": err.message} if path.startswith(OLLAMA_PREFIX) else err.body()
+
+
+async def error(err: APIError, send, path: str = "") -> None:
+    body = json.dumps(error_body(err, path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

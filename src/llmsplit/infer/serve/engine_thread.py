@@ -75,14 +75,15 @@ class EngineThread:
     # ------------------------------------------------------------ the interface (any thread)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, sink: Callable[[tuple], None],
-               stream: bool = False, adapter: int = 0) -> Request:
+               stream: bool = False, adapter: int = 0, n: int = 1) -> Request:
         """Accept a request's prompts or raise QueueFull (ShuttingDown while draining); a
         request that could never fit raises ConfigError. With `stream`, text reaches the sink as it becomes final.
-        `adapter`: the served LoRA adapter its sequences run with (0: the base model)."""
+        `adapter`: the served LoRA adapter its sequences run with (0: the base model); `n`: samples
+        per prompt, which share its blocks (the sequences are prompt by prompt, n each)."""
         with self._cond:
             if self._stopping or self._draining:
                 raise ShuttingDown(SHUTTING_DOWN)
-            seqs = [self._engine.new_sequence(p, params, adapter) for p in prompts]
+            seqs = [s for p in prompts for s in self._engine.new_sequences(p, params, n, adapter)]
             for seq in seqs:
                 self._engine.check(seq)
             if self._in_flight + len(seqs) > self.max_sequences:
@@ -91,7 +92,8 @@ class EngineThread:
             req = Request(seqs, sink)
             if stream:
                 for i, seq in enumerate(seqs):
-                    seq.on_text = lambda piece, i=i: sink(("text", i, piece))
+                    # With the tokens generated so far: the log-probabilities that go with the piece.
+                    seq.on_text = lambda piece, i=i, seq=seq: sink(("text", i, piece, len(seq.tokens)))
             self._in_flight += len(seqs)
             self._inbox.append(req)
             self._cond.notify()

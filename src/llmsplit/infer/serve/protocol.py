@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...errors import ConfigError
+from ..engine.sequence import MAX_LOGPROBS, SamplingParams
+
 
 class APIError(Exception):
     """A request the server answers with an OpenAI-shaped error."""
@@ -32,13 +35,12 @@ class APIError(Exception):
 # asks for nothing (clients often send defaults explicitly): any other value is refused with a
 # 400 naming the field. A field leaves this table when it is implemented.
 UNSUPPORTED: dict[str, Any] = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
-    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "min_tokens": 0,
+    "suffix": "",
     "functions": [], "function_call": "none",  # the deprecated names of tools / tool_choice
-    "repetition_penalty": 1, "min_p": 0,  # vLLM's extensions, next to its top_k and ignore_eos
     "modalities": ["text"], "audio": None,  # spoken answers: this server writes text only
 }
-HINTS = {"n": "; send n separate requests"}
+MOST_SAMPLES = 128  # n and best_of: beyond, a 400 (the batch and queue bound the rest)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit) and of stop_token_ids
 # Fields that change nothing in the answer's content: tracking, storage and latency hints.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier", "prediction"})
@@ -108,6 +110,15 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    # Logit processors (engine/sampler.py), OpenAI's and vLLM's names and ranges.
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_p: float = Field(0.0, ge=0, le=1)
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token ids as JSON keys
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    n: int = Field(1, ge=1, le=MOST_SAMPLES)  # samples per prompt, sharing its KV blocks
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
@@ -116,18 +127,35 @@ class _Sampling(BaseModel):
                 continue
             known = name in UNSUPPORTED
             raise APIError(400, f"{_shown(name, value)} is {'not supported by' if known else 'not a field of'} "
-                                f"this server{HINTS.get(name, '' if known else '; remove it')}", name,
+                                f"this server{'' if known else '; remove it'}", name,
                            code="unsupported_parameter")
         for i, message in enumerate(getattr(self, "messages", ())):
             unknown = sorted(set(message.model_extra or ()) - MESSAGE_FIELDS)
             if unknown:
                 raise APIError(400, f"messages[{i}].{unknown[0]} is not a field of a message this server knows; "
                                     f"remove it", f"messages.{i}.{unknown[0]}", code="unsupported_parameter")
-        where = _lone_surrogate(self.model_dump(), "")
+        where = lone_surrogate(self.model_dump(), "")
         if where is not None:
             # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer can encode that.
             raise APIError(400, f"{where or 'the request'} holds a lone surrogate (half of a UTF-16 pair), which "
                                 f"is not Unicode text", where or None)
+
+    def sampling(self, max_tokens: int, stops: list[str], vocab_size: int, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters for this request; a 400 naming the field for a value the
+        engine refuses (min_tokens above max_tokens, a token id outside the vocabulary)."""
+        params = SamplingParams(
+            max_tokens, self.temperature, self.top_k, None if self.top_p >= 1 else self.top_p, self.seed, stops,
+            self.ignore_eos, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p, logit_bias=self.logit_bias or None,
+            min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+        try:
+            params.check()
+            params.check_ids(vocab_size)
+        except ConfigError as e:
+            raise APIError(400, str(e), str(e).split()[0]) from None  # each message starts with its field
+        return params
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,6 +166,28 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the likeliest tokens listed per position
+    echo: bool = False  # the prompt comes back before the completion (with its log-probabilities)
+    best_of: int | None = Field(None, ge=1, le=MOST_SAMPLES)  # samples drawn; the n likeliest come back
+
+    def samples(self) -> int:
+        """How many sequences each prompt runs: best_of (at least n), or n."""
+        if self.best_of is None or self.best_of == self.n:
+            return self.n
+        if self.best_of < self.n:
+            raise APIError(400, f"best_of {self.best_of} must be at least n {self.n}", "best_of")
+        if self.stream:
+            raise APIError(400, "best_of above n cannot be streamed (the best are known only at the end)", "best_of")
+        return self.best_of
+
+    def scoring(self) -> tuple[int | None, int | None, bool]:
+        """(logprobs per generated token, per prompt token, score only): max_tokens 0 with
+        echo scores the prompt and shows no completion (what lm-eval's loglikelihood sends)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing; it is allowed with echo, to score the prompt",
+                           "max_tokens")
+        return self.logprobs, self.logprobs if self.echo else None, self.max_tokens == 0
 
 
 class TextPart(BaseModel):
@@ -159,6 +209,14 @@ class Message(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """How many likeliest tokens to list per generated token (None: no log-probabilities)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
@@ -206,7 +264,7 @@ def _shown(name: str, value) -> str:
     return f"{name}={text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def _lone_surrogate(value, where: str) -> str | None:
+def lone_surrogate(value, where: str) -> str | None:
     """The dotted path of the first string in `value` that UTF-8 cannot encode, else None."""
     if isinstance(value, str):
         try:
@@ -216,9 +274,9 @@ def _lone_surrogate(value, where: str) -> str | None:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _lone_surrogate(key, where) if isinstance(key, str) else None
+        found = lone_surrogate(key, where) if isinstance(key, str) else None
         if found is None:
-            found = _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+            found = lone_surrogate(item, f"{where}.{key}" if where else str(key))
         if found is not None:
             return found
     return None

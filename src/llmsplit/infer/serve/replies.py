@@ -15,6 +15,8 @@ import re
 import time
 import uuid
 
+from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
+
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -29,12 +31,35 @@ def forced_call_schema(functions: list[dict], name: str | None) -> dict:
 
 class Reply:
     """`tools`: None (plain text), "forced" (the whole text is one call) or "auto" (calls
-    found in the text)."""
+    found in the text). `texts` (a TokenTexts): log-probabilities were asked for; `echo`: the
+    prompt's text of each sequence, which comes back before its completion; `score_only`: the
+    prompt alone comes back (max_tokens 0 with echo: the one token computed is not shown)."""
 
-    def __init__(self, model: str, chat: bool, seqs, tools: str | None = None):
+    def __init__(self, model: str, chat: bool, seqs, tools: str | None = None, texts: TokenTexts | None = None,
+                 echo: list[str] | None = None, score_only: bool = False):
         self.model, self.chat, self.seqs, self.tools = model, chat, seqs, tools
+        self.texts, self.score_only = texts, score_only
+        # Each sequence's echoed prompt, by id: best_of drops and reorders sequences.
+        self.echo = None if echo is None else {s.id: text for s, text in zip(seqs, echo)}
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.sent = [0] * len(seqs)  # streamed: the generated tokens whose log-probabilities went out
+        self.echoed = [False] * len(seqs)
+
+    def _logprobs(self, index: int, upto: int | None = None, prompt: bool = False) -> dict | None:
+        """The log-probabilities of sequence `index`'s generated tokens not sent yet, up to
+        `upto` tokens (None: all), after its prompt's with `prompt`; None when not asked for."""
+        if self.texts is None:
+            return None
+        seq = self.seqs[index]
+        upto = 0 if self.score_only else len(seq.logprobs) if upto is None else min(upto, len(seq.logprobs))
+        ids, entries = seq.tokens[self.sent[index]:upto], seq.logprobs[self.sent[index]:upto]
+        self.sent[index] = max(self.sent[index], upto)
+        if self.chat:
+            return chat_logprobs(self.texts, ids, entries)
+        if prompt:
+            ids, entries = seq.prompt + ids, seq.prompt_logprobs + entries
+        return completion_logprobs(self.texts, ids, entries)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
@@ -42,7 +67,7 @@ class Reply:
 
     def usage(self) -> dict:
         prompt = sum(len(s.prompt) for s in self.seqs)
-        completion = sum(len(s.tokens) for s in self.seqs)
+        completion = 0 if self.score_only else sum(len(s.tokens) for s in self.seqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def message(self, seq) -> tuple[dict, str | None]:
@@ -70,35 +95,56 @@ class Reply:
                           "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
         return calls, (rest or None) if calls else text
 
-    def whole(self) -> dict:
+    def whole(self, best_of: int = 1, n: int = 1) -> dict:
+        """The finished answer; with `best_of` > `n` samples per prompt, the `n` likeliest of
+        each (by the sum of their tokens' log-probabilities), as OpenAI's best_of picks them."""
+        usage = self.usage()
+        if best_of > n:
+            groups = [self.seqs[i:i + best_of] for i in range(0, len(self.seqs), best_of)]
+            self.seqs = [s for g in groups for s in sorted(g, key=lambda s: -sum(lp for lp, _ in s.logprobs))[:n]]
+            self.sent, self.echoed = [0] * len(self.seqs), [False] * len(self.seqs)
         if self.chat:
             choices = []
             for i, s in enumerate(self.seqs):
                 message, finish = self.message(s)
-                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
+                choices.append({"index": i, "message": message, "logprobs": self._logprobs(i),
+                                "finish_reason": finish})
         else:
-            choices = [{"index": i, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason}
+            choices = [{"index": i, "text": self._echo(i) + ("" if self.score_only else s.text),
+                        "logprobs": self._logprobs(i, prompt=self.echo is not None),
+                        "finish_reason": "length" if self.score_only else s.finish_reason}
                        for i, s in enumerate(self.seqs)]
-        return {**self._head(False), "choices": choices, "usage": self.usage()}
+        return {**self._head(False), "choices": choices, "usage": usage}
 
-    def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False) -> dict:
+    def _echo(self, index: int) -> str:
+        return self.echo[self.seqs[index].id] if self.echo is not None else ""
+
+    def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False,
+              tokens: int | None = None) -> dict:
+        """A piece of sequence `index`'s text, with the log-probabilities of its tokens up to
+        `tokens` generated (None: all) when they were asked for; the echoed prompt (and its
+        log-probabilities) comes with its first piece."""
+        echo = not (role or self.chat or self.echo is None or self.echoed[index])
+        self.echoed[index] = self.echoed[index] or echo
+        logprobs = None if role else self._logprobs(index, tokens, prompt=echo)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            text = (self._echo(index) if echo else "") + ("" if self.score_only else text)
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(True), "choices": [choice]}
 
     def last_chunk(self, index: int, seq) -> dict:
         """A streamed sequence's end. With tools its text was held back (a call must be whole
         to be parsed): it comes here, as content or as tool-call deltas."""
         if not (self.chat and self.tools):
-            return self.chunk(index, finish=seq.finish_reason)
+            return self.chunk(index, finish="length" if self.score_only else seq.finish_reason)
         message, finish = self.message(seq)
         delta = {"content": message["content"]} if message["content"] else {}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-        return {**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
+        return {**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": self._logprobs(index),
                                                  "finish_reason": finish}]}
 
     def usage_chunk(self) -> dict:

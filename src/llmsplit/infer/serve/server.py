@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the engine (`llmsplit serve`).
+"""OpenAI-compatible HTTP server over the engine (`llmsplit serve`), with Ollama's API beside it (ollama.py).
 
 The event loop only parses and relays: chat templates and tokenizing run in worker threads
 under a time limit (time_limit.py), an `EngineThread` owns the engine and batches every
@@ -6,9 +6,9 @@ live request (continuous batching), and text comes back to each request's asynci
 the engine makes it final. One process serves; with --tp/--pp it is rank
 0 of the split model and its worker processes follow the engine's steps.
 
-Safety at the edge (edge.py, before any parsing): /v1 routes need the API key when one is
-set, bodies are capped in size, heads and bodies must arrive within the request timeout, and
-every refusal is a 4xx in OpenAI's error shape. SIGTERM
+Safety at the edge (edge.py, before any parsing): /v1 and /api/ routes need the API key when
+one is set, bodies are capped in size, heads and bodies must arrive within the request timeout,
+and every refusal is a 4xx in OpenAI's error shape (Ollama's on /api/). SIGTERM
 or Ctrl-C stops accepting connections and requests, lets in-flight requests finish for up to
 the drain timeout, then aborts the rest (their clients get an error event) and frees the model.
 """
@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from functools import partial
 
 import uvicorn
@@ -35,11 +35,14 @@ from ..chat import DEFAULT_TEMPLATE, TemplateError, TemplateLimitError, Template
 from ..config import InferConfig
 from ..engine import SamplingParams
 from ..engine.grammar import Grammars
-from .edge import Gate, TimedH11Protocol, bind, check_keys
+from .channel import Channel
+from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
+from .ollama import OllamaRoutes
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .request_body import parse_body, validation_error
+from .logprobs import TokenTexts
 from .replies import Reply, forced_call_schema
 from .time_limit import OffLoop, TimeLimitExceeded
 
@@ -50,30 +53,18 @@ HEALTH_COUNTS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
 DELIVERY_GRACE_S = 5.0
 
 
-class _Channel:
-    """Events from the scheduler thread into one request's asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def put(self, event: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop has closed: nobody is waiting for this event
-            pass
-
-
-class Server:
-    """The app's state and routes over one loaded model."""
+class Server(OllamaRoutes):
+    """The app's state and routes over one loaded model (`path`: its files, which /api/tags describes)."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
                  max_body: int = 1 << 20, announce: str | None = None, request_timeout: float = 10.0,
-                 metrics_auth: bool = False, max_items: int = 10_000, template_limits: TemplateLimits | None = None):
+                 metrics_auth: bool = False, max_items: int = 10_000, template_limits: TemplateLimits | None = None,
+                 path=None):
         if max_queue < 0 or max_body < 1 or not request_timeout > 0 or max_items < 1:
             raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body}, "
                               f"--request-timeout {request_timeout} and --max-request-items {max_items} positive")
         self.max_items, self.template_limits = max_items, template_limits or TemplateLimits()
-        self.model, self.name, self.announce = model, name, announce
+        self.model, self.name, self.announce, self.path = model, name, announce, path
         # The model field picks what answers: the base model's name, or a LoRA adapter's (serve --lora).
         self.models = [name, *model.adapters]
         if len(set(self.models)) < len(self.models):
@@ -111,6 +102,7 @@ class Server:
         app.get("/v1/models/{model_id:path}")(self.get_model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
+        self.add_ollama_routes(app)
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
         app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=request_timeout,
@@ -142,11 +134,15 @@ class Server:
         if any(not 0 <= t < vocab for p in ids for t in p):
             # Checked here: a bad id would fail the whole batch's step, not just this request.
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        max_tokens = body.max_tokens or 16  # OpenAI's default
-        check_fits([len(p) for p in ids], max_tokens, self.scheduler.max_context, self._most_sequences(), "prompt")
-        params = self._params(body, max_tokens, body.stops())
+        logprobs, prompt_logprobs, score_only = body.scoring()
+        max_tokens = 1 if score_only else body.max_tokens or 16  # OpenAI's default
+        check_fits([len(p) for p in ids for _ in range(body.samples())], max_tokens, self.scheduler.max_context, self._most_sequences(), "prompt")
+        params = body.sampling(max_tokens, body.stops(), vocab, logprobs, prompt_logprobs)
         params.grammar = await self._grammar(body.response_format)
-        return await self._answer(request, ids, params, body, chat=False, adapter=adapter)
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(i) for p, i in zip(prompts, ids)] if body.echo \
+            else None
+        return await self._answer(request, ids, params, body, chat=False, adapter=adapter, echo=echo,
+                                  score_only=score_only)
 
     async def chat(self, request: Request):
         body = await self._parse(request, ChatRequest)
@@ -164,8 +160,9 @@ class Server:
                                                    self.template_limits)
         room = max(1, self.scheduler.max_context - len(ids))  # no limit given: up to the end of the context
         max_tokens = body.max_completion_tokens or body.max_tokens or room
-        check_fits([len(ids)], max_tokens, self.scheduler.max_context, self._most_sequences(), "messages")
-        params = self._params(body, max_tokens, body.stops() + template_stops)
+        check_fits([len(ids)] * body.n, max_tokens, self.scheduler.max_context, self._most_sequences(), "messages")
+        params = body.sampling(max_tokens, body.stops() + template_stops, self.model.config.vocab_size,
+                               body.logprob_count())
         if tools == "forced":
             params.grammar = await self._grammar(None, forced_call_schema(functions, forced))
         else:
@@ -203,13 +200,6 @@ class Server:
                                 f"{', '.join(map(repr, self.models))}", "model", code="model_not_found")
         return self.models.index(model)
 
-    @staticmethod
-    def _params(body, max_tokens: int, stops: list[str]) -> SamplingParams:
-        params = SamplingParams(max_tokens, body.temperature, body.top_k, None if body.top_p >= 1 else body.top_p,
-                                body.seed, stops, body.ignore_eos)
-        params.check()
-        return params
-
     async def _grammar(self, response_format, schema: dict | None = None):
         """The grammar a response is held to: a forced tool call's `schema`, else the response
         format's (None: free text). Compiled in a worker thread, under the request time limit."""
@@ -220,37 +210,42 @@ class Server:
                                     self.grammars.json, schema)
 
     async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool,
-                      tools: str | None = None, adapter: int = 0):
-        channel = _Channel(asyncio.get_running_loop())
+                      tools: str | None = None, adapter: int = 0, echo: list[str] | None = None,
+                      score_only: bool = False):
+        channel = Channel(asyncio.get_running_loop())
+        texts = TokenTexts(self.tokenizer) if params.logprobs is not None else None
+        samples = body.n if chat else body.samples()
+        if samples > body.n and params.logprobs is None:
+            params.logprobs = 0  # best_of ranks the samples by their log-probabilities
         # With tools a streamed answer's text is held back until it ends: a call is parsed whole.
-        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools, adapter=adapter)
+        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools, adapter=adapter,
+                                     n=samples)
         seqs = work.seqs
-        reply = Reply(self.models[adapter], chat, seqs, tools)
+        echo = None if echo is None else [text for text in echo for _ in range(samples)]  # one per sequence
+        reply = Reply(self.models[adapter], chat, seqs, tools, texts, echo, score_only)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(work, channel, reply, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         # Watch the connection while waiting: a client that gives up must not keep its blocks.
-        gone = asyncio.ensure_future(_disconnected(request.receive))
         pending = len(seqs)
         try:
-            while pending:
-                event = asyncio.ensure_future(channel.queue.get())
-                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not event.done():
-                    event.cancel()
-                    return None  # nobody to answer; `finally` frees the blocks
-                if event.result()[0] == "error":
-                    pending = 0
-                    raise APIError(503, event.result()[1], type="server_error")
-                pending -= 1
+            async with aclosing(channel.watch(request.receive)) as events:
+                async for event in events:
+                    if event[0] == "error":
+                        pending = 0
+                        raise APIError(503, event[1], type="server_error")
+                    pending -= 1
+                    if not pending:
+                        break
+            if pending:
+                return None  # nobody to answer; `finally` frees the blocks
         finally:
-            gone.cancel()
             if pending:
                 self.scheduler.abort(work)
-        return reply.whole()
+        return reply.whole(best_of=samples, n=body.n)
 
-    async def _stream(self, work: Work, channel: _Channel, reply: Reply, include_usage: bool):
+    async def _stream(self, work: Work, channel: Channel, reply: Reply, include_usage: bool):
         pending = len(work.seqs)
         try:
             if reply.chat:
@@ -258,7 +253,7 @@ class Server:
             while pending:
                 event = await channel.queue.get()
                 if event[0] == "text":
-                    yield _sse(reply.chunk(event[1], text=event[2]))
+                    yield _sse(reply.chunk(event[1], text=event[2], tokens=event[3]))
                 elif event[0] == "finish":
                     pending -= 1
                     yield _sse(reply.last_chunk(event[1], event[2]))
@@ -274,11 +269,6 @@ class Server:
                 self.scheduler.abort(work)
 
 
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -286,7 +276,8 @@ def _sse(obj: dict) -> str:
 def _handler(convert):
     async def handle(request, exc) -> JSONResponse:
         err = convert(exc)
-        return JSONResponse(err.body(), status_code=err.status, headers={k: str(v) for k, v in err.headers.items()})
+        return JSONResponse(error_body(err, request.url.path), status_code=err.status,
+                            headers={k: str(v) for k, v in err.headers.items()})
 
     return handle
 
@@ -345,7 +336,8 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
                             announce=f"llmsplit: serving {name!r}{_with_adapters(model.adapters)} at "
                                      f"http://{url_host}:{where[1]}/v1 "
                                      f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout,
-                            metrics_auth=metrics_auth, max_items=max_items, template_limits=template_limits)
+                            metrics_auth=metrics_auth, max_items=max_items, template_limits=template_limits,
+                            path=model_path)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=drain_timeout + DELIVERY_GRACE_S,
                                     http=partial(TimedH11Protocol, head_timeout=request_timeout))
