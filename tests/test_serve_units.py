@@ -292,6 +292,24 @@ def test_logit_processors_follow_openai_and_vllm_formulas(model):
     assert [t for t, _ in entries[0][1]] == logits[0].topk(2).indices.tolist()
 
 
+def test_a_prompt_scored_from_near_its_end_is_scored_across_chunks(folder):
+    import torch
+
+    # Chunks of 8 tokens: the scored tokens (25-29) lie in a later chunk than the first.
+    m = llmsplit.load(folder, max_batch=2, max_context=64, max_num_batched_tokens=8)
+    try:
+        ids = m.tokenizer.encode("The def statement binds a name to a function " * 4)[:30]
+        seq = m.engine.new_sequence(ids, SamplingParams(1, ignore_eos=True, prompt_logprobs=1,
+                                                        prompt_logprobs_from=25))
+        m.engine.generate([seq])
+        full = torch.log_softmax(m.logits(torch.tensor([ids]))[0], -1)
+    finally:
+        m.close()
+    assert len(seq.prompt_logprobs) == 30 and seq.prompt_logprobs[0] is None
+    for j in range(25, 30):
+        assert seq.prompt_logprobs[j][0] == pytest.approx(full[j - 1, ids[j]].item(), abs=1e-4)
+
+
 def test_a_million_messages_are_refused_before_they_are_parsed(model):
     import json
     import tracemalloc

@@ -303,5 +303,44 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    import llmsplit
+
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+
+        from .infer.lm_eval_model import LlmsplitLM
+    except ImportError as e:
+        raise ConfigError(f"llmsplit eval needs the [eval] extra ({e.name} is missing): "
+                          f"pip install 'llmsplit[eval]'") from None
+    tasks = [t for t in args.tasks.split(",") if t]
+    # lm-eval's own tasks (thousands of YAML files, ~12 s to index here) only when needed.
+    manager = TaskManager(include_path=args.include_path, include_defaults=False) if args.include_path else None
+    if manager is None or not all(manager.match_tasks([t]) for t in tasks):
+        manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ConfigError(f"--tasks: lm-eval knows no task {unknown[0]!r}; name one of its tasks, or pass "
+                          f"--include-path DIR with that task's YAML")
+    m = llmsplit.load(args.model, _infer_config(args, max_batch=args.max_batch))
+    try:
+        results = simple_evaluate(model=LlmsplitLM(m), tasks=tasks, limit=args.limit, task_manager=manager,
+                                  log_samples=args.output is not None)
+    finally:
+        m.close()
+    print(make_table(results))
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {out / 'results.json'}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "serve": cmd_serve, "prepare": cmd_prepare,
-            "export": cmd_export, "doctor": cmd_doctor, "plot": cmd_plot, "plan": cmd_plan}
+            "export": cmd_export, "eval": cmd_eval, "doctor": cmd_doctor, "plot": cmd_plot, "plan": cmd_plan}

@@ -277,6 +277,20 @@ def _add_export(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _add_eval(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="score a model with lm-evaluation-harness tasks (extra [eval])", epilog=EPILOG,
+                       description="Run lm-eval's tasks on the model in this process, split as generate splits it.")
+    p.add_argument("--model", required=True, metavar="RUN_DIR|CHECKPOINT|HF_FOLDER|FILE.gguf|PEFT_DIR",
+                   help="what generate takes")
+    p.add_argument("--tasks", required=True, metavar="T[,T]", help="lm-eval task or group names")
+    p.add_argument("--limit", type=number(float, above=0), metavar="K", help="the first K examples (default all)")
+    p.add_argument("--include-path", metavar="DIR", help="a folder of your own task YAML files (default none)")
+    p.add_argument("--output", metavar="DIR", help="write results.json there (default: print the table only)")
+    p.add_argument("--max-batch", type=COUNT, default=16, metavar="N", help="sequences scored together (default 16)")
+    _add_placement_args(p, context_default="the model's, at most 4096")
+    return p
+
+
 def _add_doctor(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check torch, devices, backends, launcher variables and network",
                        description="One line per check: OK, WARN or FAIL, each with the fix. Exit 1 if any FAIL.",
@@ -381,4 +395,5 @@ class _ConfigKeysAction(argparse.Action):
 
 # In the order `llmsplit --help` lists them.
 SUBCOMMANDS = (("train", _add_train), ("generate", _add_generate), ("serve", _add_serve), ("prepare", _add_prepare),
-               ("export", _add_export), ("doctor", _add_doctor), ("plot", _add_plot), ("plan", _add_plan))
+               ("export", _add_export), ("eval", _add_eval), ("doctor", _add_doctor), ("plot", _add_plot),
+               ("plan", _add_plan))

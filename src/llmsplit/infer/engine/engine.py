@@ -192,8 +192,9 @@ def _score_prompt(seq: Sequence, start: int, logits: torch.Tensor) -> None:
     chunk of its context that starts at `start`: the row of position i scores token i + 1.
     A recomputed context (after preemption) finds them recorded already."""
     prompt, top = seq.prompt, seq.params.prompt_logprobs
-    if not seq.prompt_logprobs:  # the first token has nothing before it; cached ones were not computed
-        seq.prompt_logprobs.extend([None] * (start + 1))
+    # None for the first token (nothing before it) and for those whose rows were not asked for:
+    # cached, or in an earlier chunk before prompt_logprobs_from.
+    seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
     logprobs = torch.log_softmax(logits, -1)
     for i in range(logits.shape[0]):
         target = start + i + 1

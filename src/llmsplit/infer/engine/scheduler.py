@@ -115,23 +115,22 @@ class Scheduler:
         for seq, start, n in batch.chunks:
             parts.append(self.pool.chunk(seq.id, start, n))
             tokens += seq.filling[start:start + n]
-        every_row = [False] * len(batch.groups) + [_scores_prompt(seq) for seq, _, _ in batch.chunks]
-        return torch.tensor([tokens]), PackedStep.pack(parts, every_row), adapters
+        first_rows = [None] * len(batch.groups) + [_first_row(*chunk) for chunk in batch.chunks]
+        return torch.tensor([tokens]), PackedStep.pack(parts, first_rows), adapters
 
     def settle(self, batch: Batch) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int, int]]]:
         """After the forward: chunks count as computed, a context filled to its end becomes
         findable by prefix; returns the sequences to sample and their rows of logits (every
-        decode, and each new sequence whose prompt is now complete), and the chunks whose every
-        row came back (prompt log-probabilities): (sequence, start, first row, rows)."""
+        decode, and each new sequence whose prompt is now complete), and the chunks of prompts
+        being scored with the rows that came back: (sequence, position of the first, its row, rows)."""
         decoding = batch.decoding
         sampling, rows, scored = list(decoding), list(range(len(decoding))), []
         first = len(decoding)
         for seq, start, n in batch.chunks:
-            if _scores_prompt(seq):
-                scored.append((seq, start, first, n))
-                first += n
-            else:
-                first += 1
+            skip = _first_row(seq, start, n)
+            if skip is not None:
+                scored.append((seq, start + skip, first, n - skip))
+            first += 1 if skip is None else n - skip
             row = first - 1  # the chunk's last token: what a prompt filled to its end samples from
             seq.filled = start + n
             if seq.filled == len(seq.filling):
@@ -232,6 +231,15 @@ class Scheduler:
             return [decoding] if decoding else []
         by_id = {s.id: s for s in decoding}
         return [[by_id[i] for i in g] for g in self.pool.by_length(list(by_id))]
+
+
+def _first_row(seq: Sequence, start: int, n: int) -> int | None:
+    """The first row of this chunk whose logits are wanted, when it belongs to a prompt being
+    scored (the row before its first scored token, or the last row, which the next token is
+    sampled from); None: the last row only, as for any chunk."""
+    if not _scores_prompt(seq):
+        return None
+    return min(max(0, seq.params.prompt_logprobs_from - 1 - start), n - 1)
 
 
 def _scores_prompt(seq: Sequence) -> bool:

@@ -49,13 +49,15 @@ class PackedStep:
     pick: torch.Tensor  # [n] rows whose logits are wanted (each part's sequences' last tokens)
 
     @staticmethod
-    def pack(parts: list[Step], every_row: list[bool] | None = None) -> "PackedStep":
-        """`every_row[i]`: all of part i's rows are picked (a prompt being scored), not its last."""
+    def pack(parts: list[Step], first_rows: list[int | None] | None = None) -> "PackedStep":
+        """Each part's sequences' last rows are picked, or with `first_rows[i]` = k, rows k to
+        the last of part i (one sequence's chunk of a prompt being scored)."""
         positions, pick, row = [], [], 0
         for i, part in enumerate(parts):
             b, n = part.gather.shape[0], part.slots.numel() // part.gather.shape[0]
             start = part.start if isinstance(part.start, torch.Tensor) else torch.full((b,), part.start)
             positions.append((start[:, None] + torch.arange(n)).reshape(-1))
-            pick.append(row + torch.arange(b * n) if every_row and every_row[i] else row + n - 1 + n * torch.arange(b))
+            k = first_rows[i] if first_rows else None
+            pick.append(row + n - 1 + n * torch.arange(b) if k is None else row + torch.arange(k, n))
             row += b * n
         return PackedStep(torch.cat(positions), torch.cat([p.slots for p in parts]), parts, torch.cat(pick))
