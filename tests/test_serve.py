@@ -606,6 +606,62 @@ def ollama_client(url):
     return ollama, ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
 
+def test_responses_api_answers_as_chat_completions_does(server):
+    c = client(server)
+    eos = {"ignore_eos": True}
+    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                     temperature=0, extra_body=eos)
+    r = c.responses.create(model="llama", input="Hi", max_output_tokens=4, temperature=0, extra_body=eos)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "llama"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert item.status == "incomplete"
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 4)
+    assert r.usage.total_tokens == r.usage.input_tokens + 4 and r.max_output_tokens == 4 and r.temperature == 0
+    # instructions are a system message before the input; a list of messages with input_text parts
+    system = c.chat.completions.create(model="llama", max_tokens=4, temperature=0, extra_body=eos, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    listed = c.responses.create(model="llama", instructions="Be brief.", max_output_tokens=4, temperature=0,
+                                extra_body=eos, input=[{"role": "user", "content": [
+                                    {"type": "input_text", "text": "H"}, {"type": "input_text", "text": "i"}]}])
+    assert listed.output_text == system.choices[0].message.content and listed.instructions == "Be brief."
+    events = list(c.responses.create(model="llama", input="Hi", max_output_tokens=4, temperature=0, stream=True,
+                                     extra_body=eos))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # OpenAI's last event for a response cut by max_output_tokens
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text and kinds.count("response.output_text.delta") > 1
+
+
+def test_responses_api_structured_output_and_refusals(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        c.responses.create(model="llama", input="Hi", max_output_tokens=2, previous_response_id="resp_123")
+    with pytest.raises(openai.BadRequestError, match="tools is not supported on /v1/responses yet; use /v1/chat/"):
+        c.responses.create(model="llama", input="Hi", max_output_tokens=2, tools=[
+            {"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    kept = c.responses.create(model="llama", input="Hi", max_output_tokens=2, tools=[], store=True)
+    assert kept.status == "incomplete" or kept.status == "completed"  # empty tools and store: accepted
+    bad = httpx.post(f"{server}/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                     json={"model": "llama", "input": "Hi", "max_output_tokens": 2, "frobnicate": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "frobnicate"
+    pytest.importorskip("xgrammar")
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    for seed in range(2):
+        got = c.responses.create(model="llama", input="Weather?", text={"format": fmt}, temperature=1.0,
+                                 max_output_tokens=60, extra_body={"seed": seed})
+        assert got.status == "completed" and follows_weather(json.loads(got.output_text))
+    obj = c.responses.create(model="llama", input="JSON", max_output_tokens=12, temperature=0,
+                             text={"format": {"type": "json_object"}})
+    assert obj.output_text.startswith("{")
+
+
 def test_ollama_client_lists_shows_and_answers_as_llmsplit_generate_does(server, folder):
     ollama, c = ollama_client(server)
     (card,) = c.list().models

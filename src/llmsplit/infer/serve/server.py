@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server over the engine (`llmsplit serve`), with Ollama's API beside it (ollama.py).
+"""OpenAI-compatible HTTP server over the engine (`llmsplit serve`), with Ollama's API beside it (ollama.py)
+and OpenAI's Responses API (responses.py).
 
 The event loop only parses and relays: chat templates and tokenizing run in worker threads
 under a time limit (time_limit.py), an `EngineThread` owns the engine and batches every
@@ -40,6 +41,7 @@ from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .ollama import OllamaRoutes
+from .responses import ResponsesRoutes
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .request_body import parse_body, validation_error
 from .logprobs import TokenTexts
@@ -53,7 +55,7 @@ HEALTH_COUNTS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
 DELIVERY_GRACE_S = 5.0
 
 
-class Server(OllamaRoutes):
+class Server(OllamaRoutes, ResponsesRoutes):
     """The app's state and routes over one loaded model (`path`: its files, which /api/tags describes)."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
@@ -103,6 +105,7 @@ class Server(OllamaRoutes):
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         self.add_ollama_routes(app)
+        self.add_responses_routes(app)
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
         app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=request_timeout,
