@@ -6,7 +6,10 @@ OpenAI routes (server.py) and Ollama's (ollama.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from .protocol import APIError
 
 
 class Channel:
@@ -36,6 +39,33 @@ class Channel:
                 yield event.result()
         finally:
             gone.cancel()
+
+
+    async def finished(self, receive, count: int, abort: Callable[[], None],
+                       on_text: Callable[[str], None] | None = None) -> list | None:
+        """A plain (not streamed) answer's wait: the `count` sequences as they finish (text
+        events, where the request streams to the engine, go to `on_text`); None when the client
+        left first, after `abort()` freed what it held. An error event (the engine failed the
+        step, and the request with it) is a 503."""
+        done, settled = [], False
+        try:
+            async with aclosing(self.watch(receive)) as events:
+                async for event in events:
+                    if event[0] == "text":
+                        if on_text is not None:
+                            on_text(event[2])
+                        continue
+                    if event[0] == "error":
+                        settled = True
+                        raise APIError(503, event[1], type="server_error")
+                    done.append(event[2])
+                    if len(done) == count:
+                        settled = True
+                        return done
+            return None
+        finally:
+            if not settled:  # the client left, or this route was cancelled
+                abort()
 
 
 async def disconnected(receive) -> None:

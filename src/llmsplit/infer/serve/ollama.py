@@ -18,7 +18,6 @@ import asyncio
 import hashlib
 import json
 import time
-from contextlib import aclosing
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
@@ -201,21 +200,8 @@ class OllamaRoutes:
         answer.submitted = time.monotonic()
         if body.stream:
             return StreamingResponse(self._ollama_lines(work, channel, answer), media_type=NDJSON)
-        settled = False
-        try:
-            async with aclosing(channel.watch(request.receive)) as events:
-                async for event in events:
-                    if event[0] == "text":
-                        answer.piece(event[2])
-                        continue
-                    settled = True
-                    if event[0] == "error":
-                        raise APIError(503, event[1], type="server_error")
-                    return answer.last(event[2], event[2].text)
-            return None  # the client left: nobody to answer; `finally` frees the blocks
-        finally:
-            if not settled:
-                self.scheduler.abort(work)
+        done = await channel.finished(request.receive, 1, lambda: self.scheduler.abort(work), answer.piece)
+        return None if done is None else answer.last(done[0], done[0].text)  # None: the client left
 
     async def _ollama_lines(self, work: Work, channel: Channel, answer: Answer):
         pending = True

@@ -15,7 +15,6 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -120,20 +119,8 @@ class ResponsesRoutes:
         if body.stream:
             return StreamingResponse(self._response_events(work, channel, answer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        settled = False
-        try:  # watch the connection while waiting: a client that gives up must not keep its blocks
-            async with aclosing(channel.watch(request.receive)) as events:
-                async for event in events:
-                    if event[0] == "text":
-                        continue
-                    settled = True
-                    if event[0] == "error":
-                        raise APIError(503, event[1], type="server_error")
-                    return answer.response(event[2])
-            return None  # the client left: nobody to answer; `finally` frees the blocks
-        finally:
-            if not settled:
-                self.scheduler.abort(work)
+        done = await channel.finished(request.receive, 1, lambda: self.scheduler.abort(work))
+        return None if done is None else answer.response(done[0])  # None: the client left
 
     async def _response_events(self, work: Work, channel: Channel, answer: Answer):
         pending = True

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from functools import partial
 
 import uvicorn
@@ -231,21 +231,8 @@ class Server(OllamaRoutes, ResponsesRoutes):
             return StreamingResponse(self._stream(work, channel, reply, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         # Watch the connection while waiting: a client that gives up must not keep its blocks.
-        pending = len(seqs)
-        try:
-            async with aclosing(channel.watch(request.receive)) as events:
-                async for event in events:
-                    if event[0] == "error":
-                        pending = 0
-                        raise APIError(503, event[1], type="server_error")
-                    pending -= 1
-                    if not pending:
-                        break
-            if pending:
-                return None  # nobody to answer; `finally` frees the blocks
-        finally:
-            if pending:
-                self.scheduler.abort(work)
+        if await channel.finished(request.receive, len(seqs), lambda: self.scheduler.abort(work)) is None:
+            return None  # nobody to answer; its blocks are freed
         return reply.whole(best_of=samples, n=body.n)
 
     async def _stream(self, work: Work, channel: Channel, reply: Reply, include_usage: bool):
