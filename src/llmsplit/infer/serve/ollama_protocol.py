@@ -18,9 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...errors import ConfigError
 from ..engine import SamplingParams
-from .protocol import SEED_RANGE, APIError, lone_surrogate
+from .protocol import SEED_RANGE, APIError, engine_checked, refuse_fields, refuse_lone_surrogates
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a request sets none
 MAX_STOPS = 16  # Ollama sets no limit; this one bounds the stop strings checked at every token
@@ -32,11 +31,11 @@ UNSUPPORTED: dict[str, Any] = {
     "suffix": "", "images": [], "context": [], "tools": [], "think": False, "logprobs": False, "top_logprobs": 0,
     "template": "", "width": None, "height": None, "steps": None,
 }
-HINTS = {
-    "template": "; the model's own chat template renders the prompt (or send raw: true with a prompt formatted "
-                "already)",
-    "context": "; send the conversation as messages to /api/chat",
-    "tools": " on /api/chat yet; use /v1/chat/completions with tools",
+HINTS = {  # what follows "is not supported" (protocol.refuse_fields)
+    "template": " by this server; the model's own chat template renders the prompt (or send raw: true with a "
+                "prompt formatted already)",
+    "context": " by this server; send the conversation as messages to /api/chat",
+    "tools": " by this server on /api/chat yet; use /v1/chat/completions with tools",
 }
 # Options for where and how the model runs, not for what it writes: the server decided those
 # at its start. num_keep only matters when Ollama shifts a full context, which is refused here,
@@ -88,16 +87,14 @@ class _Request(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
-        _refuse(self.model_extra, UNSUPPORTED, (), "")
+        refuse_fields(self.model_extra, UNSUPPORTED, (), HINTS)
         if isinstance(self.format, str) and self.format not in ("", "json"):
             raise APIError(400, f"format={self.format[:40]!r} must be \"json\" or a JSON schema (an object)")
         options = self.options or Options()
-        _refuse(options.model_extra, UNSUPPORTED_OPTIONS, IGNORED_OPTIONS, "options.")
+        refuse_fields(options.model_extra, UNSUPPORTED_OPTIONS, IGNORED_OPTIONS, where="options.")
         for i, message in enumerate(getattr(self, "messages", ())):
-            _refuse(message.model_extra, MESSAGE_UNSUPPORTED, (), f"messages[{i}].")
-        where = lone_surrogate(self.model_dump(), "")
-        if where is not None:  # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer encodes that
-            raise APIError(400, f"{where} holds a lone surrogate (half of a UTF-16 pair), which is not Unicode text")
+            refuse_fields(message.model_extra, MESSAGE_UNSUPPORTED, (), where=f"messages[{i}].")
+        refuse_lone_surrogates(self)
 
     def context(self, served: int) -> int:
         """The tokens this request may fill: options.num_ctx, at most the server's context."""
@@ -128,11 +125,7 @@ class _Request(BaseModel):
             None if o.seed == -1 else o.seed, stops + asked, min_p=o.min_p or 0.0,
             repetition_penalty=1.0 if o.repeat_penalty is None else o.repeat_penalty,
             presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0)
-        try:
-            params.check()
-        except ConfigError as e:
-            raise APIError(400, ollama_terms(str(e))) from None
-        return params
+        return engine_checked(params, terms=ollama_terms)
 
 
 class GenerateRequest(_Request):
@@ -153,7 +146,7 @@ class ShowRequest(BaseModel):
     verbose: bool = False  # Ollama lists the tokenizer's vocabulary then; no such lists here either way
 
     def refuse_unsupported(self) -> None:
-        _refuse(self.model_extra, {}, (), "")
+        refuse_fields(self.model_extra, {}, ())
 
 
 def ollama_terms(message: str) -> str:
@@ -164,13 +157,3 @@ def ollama_terms(message: str) -> str:
 
 def _given(value, name: str):
     return DEFAULTS[name] if value is None else value
-
-
-def _refuse(extra: dict | None, unsupported: dict, ignored, where: str) -> None:
-    for name, value in (extra or {}).items():
-        if name in ignored or (name in unsupported and value in (None, unsupported[name])):
-            continue
-        known = name in unsupported
-        shown = f"{where}{name}" if isinstance(value, (dict, list)) else f"{where}{name}={value!r}"[:60]
-        raise APIError(400, f"{shown} is {'not supported by this server' if known else 'not a field of this server'}"
-                            f"{HINTS.get(name, '') if known else '; remove it'}")

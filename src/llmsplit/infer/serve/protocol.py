@@ -10,6 +10,7 @@ know, is a 400 naming it, never silently dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -122,40 +123,24 @@ class _Sampling(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
-        for name, value in (self.model_extra or {}).items():
-            if name in IGNORED or (name in UNSUPPORTED and value in (None, UNSUPPORTED[name])):
-                continue
-            known = name in UNSUPPORTED
-            raise APIError(400, f"{_shown(name, value)} is {'not supported by' if known else 'not a field of'} "
-                                f"this server{'' if known else '; remove it'}", name,
-                           code="unsupported_parameter")
+        refuse_fields(self.model_extra, UNSUPPORTED)
         for i, message in enumerate(getattr(self, "messages", ())):
             unknown = sorted(set(message.model_extra or ()) - MESSAGE_FIELDS)
             if unknown:
                 raise APIError(400, f"messages[{i}].{unknown[0]} is not a field of a message this server knows; "
                                     f"remove it", f"messages.{i}.{unknown[0]}", code="unsupported_parameter")
-        where = lone_surrogate(self.model_dump(), "")
-        if where is not None:
-            # JSON's \ud800 escapes can spell half of a UTF-16 pair; no tokenizer can encode that.
-            raise APIError(400, f"{where or 'the request'} holds a lone surrogate (half of a UTF-16 pair), which "
-                                f"is not Unicode text", where or None)
+        refuse_lone_surrogates(self)
 
     def sampling(self, max_tokens: int, stops: list[str], vocab_size: int, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters for this request; a 400 naming the field for a value the
         engine refuses (min_tokens above max_tokens, a token id outside the vocabulary)."""
-        params = SamplingParams(
+        return engine_checked(SamplingParams(
             max_tokens, self.temperature, self.top_k, None if self.top_p >= 1 else self.top_p, self.seed, stops,
             self.ignore_eos, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p, logit_bias=self.logit_bias or None,
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
-        try:
-            params.check()
-            params.check_ids(vocab_size)
-        except ConfigError as e:
-            raise APIError(400, str(e), str(e).split()[0]) from None  # each message starts with its field
-        return params
+            prompt_logprobs=prompt_logprobs), vocab_size)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -255,6 +240,46 @@ def check_fits(prompt_lengths: list[int], max_tokens: int, max_context: int, mos
                             f"were requested ({longest} in the prompt, {max_tokens} for the completion); lower "
                             f"max_tokens to at most {max_context - longest}", "max_tokens",
                        code="context_length_exceeded")
+
+
+def refuse_fields(extra: dict | None, unsupported: dict, ignored=IGNORED, hints: dict | None = None,
+                  where: str = "") -> None:
+    """The allow list of every API this server speaks: each field of `extra` (pydantic's
+    model_extra, the fields a request model does not declare) is a 400 naming it, unless it is
+    `ignored` or one of `unsupported` at the value that asks for nothing (or null). `hints`: what
+    follows "is not supported" for a field (default " by this server"); `where`: the path of the
+    object the fields are in ("options.", "messages[2].")."""
+    for name, value in (extra or {}).items():
+        if name in ignored or (name in unsupported and value in (None, unsupported[name])):
+            continue
+        shown = _shown(f"{where}{name}", value)
+        why = (f"not supported{(hints or {}).get(name, ' by this server')}" if name in unsupported
+               else "not a field of this server; remove it")
+        raise APIError(400, f"{shown} is {why}", f"{where}{name}", code="unsupported_parameter")
+
+
+def refuse_lone_surrogates(request: BaseModel) -> None:
+    """A 400 naming the first field whose text holds a lone UTF-16 surrogate: JSON's \\ud800
+    escapes can spell half of a pair, and no tokenizer can encode that."""
+    where = lone_surrogate(request.model_dump(), "")
+    if where is not None:
+        raise APIError(400, f"{where or 'the request'} holds a lone surrogate (half of a UTF-16 pair), which is not "
+                            f"Unicode text", where or None)
+
+
+def engine_checked(params: SamplingParams, vocab_size: int | None = None,
+                   terms: Callable[[str], str] = lambda text: text) -> SamplingParams:
+    """`params` once the engine accepts them (SamplingParams.check, and check_ids with a
+    vocabulary), else a 400: the engine's message in the request's own terms (`terms` renames
+    its parameters, as Ollama's), naming the field its first word is."""
+    try:
+        params.check()
+        if vocab_size is not None:
+            params.check_ids(vocab_size)
+    except ConfigError as e:
+        text = terms(str(e))
+        raise APIError(400, text, text.split()[0]) from None
+    return params
 
 
 def _shown(name: str, value) -> str:

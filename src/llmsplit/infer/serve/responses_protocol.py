@@ -17,14 +17,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...errors import ConfigError
 from ..engine import SamplingParams
-from .protocol import IGNORED, SEED_RANGE, APIError, JSONSchemaFormat, ResponseFormat, lone_surrogate
+from .protocol import (SEED_RANGE, APIError, JSONSchemaFormat, ResponseFormat, engine_checked, refuse_fields,
+                       refuse_lone_surrogates)
 
-# Responses fields not implemented here, each with the value that asks for nothing.
+# Responses fields not implemented here, each with the value that asks for nothing (null for
+# the stateful ones: STATEFUL).
+STATEFUL = ("previous_response_id", "conversation")
 UNSUPPORTED: dict[str, Any] = {
     "tools": [], "tool_choice": "none", "truncation": "disabled", "background": False, "include": [],
-    "reasoning": None, "max_tool_calls": None, "top_logprobs": 0, "prompt": None,
+    "reasoning": None, "max_tool_calls": None, "top_logprobs": 0, "prompt": None, **dict.fromkeys(STATEFUL),
 }
 HINTS = {
     "tools": " on /v1/responses yet; use /v1/chat/completions",
@@ -34,7 +36,6 @@ HINTS = {
     "conversation": " by this server: it stores no conversations (it is stateless); send the whole conversation as "
                     "input",
 }
-STATEFUL = ("previous_response_id", "conversation")
 
 
 class InputText(BaseModel):
@@ -94,21 +95,8 @@ class ResponsesRequest(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """The 400 for a field this server would otherwise ignore, or for text that is not Unicode."""
-        for name, value in (self.model_extra or {}).items():
-            if name in IGNORED or (name in UNSUPPORTED and value in (None, UNSUPPORTED[name])):
-                continue
-            if name in STATEFUL and value is None:
-                continue
-            known = name in UNSUPPORTED or name in STATEFUL
-            shown = name if isinstance(value, (dict, list)) else f"{name}={value!r}"[:60]
-            why = (f"not supported{HINTS.get(name, ' by this server')}" if known
-                   else "not a field of this server; remove it")
-            raise APIError(400, f"{shown} is {why}", name,
-                           code="unsupported_parameter")
-        where = lone_surrogate(self.model_dump(), "")
-        if where is not None:
-            raise APIError(400, f"{where} holds a lone surrogate (half of a UTF-16 pair), which is not Unicode text",
-                           where)
+        refuse_fields(self.model_extra, UNSUPPORTED, hints=HINTS)
+        refuse_lone_surrogates(self)
 
     def messages(self) -> list[dict]:
         """What the chat template renders: the instructions as a system message, then the input."""
@@ -121,12 +109,6 @@ class ResponsesRequest(BaseModel):
         return self.text.format.as_response_format() if self.text and self.text.format else None
 
     def sampling(self, max_tokens: int, stops: list[str], vocab_size: int) -> SamplingParams:
-        params = SamplingParams(max_tokens, self.temperature, self.top_k, None if self.top_p >= 1 else self.top_p,
-                                self.seed, stops, self.ignore_eos)
-        try:
-            params.check()
-            params.check_ids(vocab_size)
-        except ConfigError as e:
-            first = str(e).split()[0]
-            raise APIError(400, str(e), "max_output_tokens" if first == "max_tokens" else first) from None
-        return params
+        return engine_checked(SamplingParams(max_tokens, self.temperature, self.top_k,
+                                             None if self.top_p >= 1 else self.top_p, self.seed, stops,
+                                             self.ignore_eos), vocab_size)
