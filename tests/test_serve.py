@@ -322,6 +322,8 @@ def chat_body(content="Hi", **fields):
                                param="messages"), 400),
     ("too many content parts", dict(json={"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 60}
                                                        ] * 2}, path=CHAT, param="messages"), 400),
+    ("too many input items", dict(json={"input": [{"role": "user", "content": "x"}] * 101}, path="/v1/responses",
+                                  param="input"), 400),
     ("too many tools", dict(json=chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 101), path=CHAT,
                             param="tools"), 400),
     ("template with a C-level power", dict(json=chat_body("power"), path=CHAT, param="messages"), 400),

@@ -1,19 +1,25 @@
-"""A request body, counted and then parsed: at most `--max-request-items` messages, content
-parts (all messages together) and tools per request, checked before any item is built.
+"""A request body, counted and then parsed: at most `--max-request-items` messages (or input
+items), content parts (all messages together) and tools per request, checked before any item
+is built.
 
 The byte cap (`--max-request-size`) alone does not bound the work: 64 MiB hold 2 million short
 messages, and parsing them as the routes do (pydantic models) took 28 s and 5 GiB before the
 request was refused. A length rule in the model does not help, as pydantic builds every item
 before checking any length (10^6 messages: 3.1 s and 814 MiB to refuse with `max_length`;
-`json.loads` alone 0.5 s and 250 MiB). msgspec decodes the body against a shape whose items are
-empty 16-byte objects, their fields skipped unread: 10^6 messages in a 32 MiB body are counted in
-0.11 s with a 23 MiB peak, and the body is parsed for real only when the counts are within the cap.
+`json.loads` alone 0.5 s and 250 MiB; msgspec's own `max_length` too checks a list once it is
+built: 16 bytes an item). So msgspec decodes the body against a shape whose items are empty
+objects, their fields skipped unread, and each item counts itself as it is decoded
+(`__post_init__`): the decode stops at the first item over the cap, having built at most
+`--max-request-items` of them whatever the body holds. The body is parsed for real only when
+the counts are within the cap.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+from typing import ClassVar
 
 import msgspec
 from pydantic import ValidationError
@@ -21,27 +27,67 @@ from pydantic import ValidationError
 from .protocol import APIError
 
 
-class _Bare(msgspec.Struct, gc=False):
-    """Any JSON object, its fields skipped unread: 16 bytes for each item counted."""
+class _TooMany(Exception):
+    """Raised from inside the decode by the first item over the cap (not a ValueError, which
+    msgspec would turn into a ValidationError of the shape)."""
+
+    def __init__(self, what: str, param: str):
+        super().__init__(what)
+        self.what, self.param = what, param
+
+
+_tally = threading.local()  # this thread's decode: items counted by kind, and the cap
+
+
+def _count(what: str, param: str) -> None:
+    n = _tally.counts[what] = _tally.counts.get(what, 0) + 1
+    if n > _tally.most:
+        raise _TooMany(what, param)
+
+
+class _Part(msgspec.Struct, gc=False):
+    """A content part, its fields unread."""
+
+    def __post_init__(self):
+        _count("content parts", _tally.parent)
+
+
+class _Tool(msgspec.Struct, gc=False):
+    def __post_init__(self):
+        _count("tools", "tools")
+
+
+class _Message(msgspec.Struct, gc=False):
+    """A message, its content kept unread (any JSON value) but for the parts of a list."""
+    content: msgspec.Raw = msgspec.Raw(b"null")  # `Raw | None` would mean null only
+    what: ClassVar[str] = "messages"
+    param: ClassVar[str] = "messages"
+
+    def __post_init__(self):
+        _count(self.what, self.param)
+        _tally.parent = self.param  # its parts are named by it
+        if memoryview(self.content)[:1] == b"[":  # a raw value starts at its first byte
+            try:
+                _parts.decode(self.content)
+            except msgspec.ValidationError:
+                pass  # not a list of parts: the parse refuses it by name
+
+
+class _InputItem(_Message, gc=False):
+    """An item of the Responses API's `input`: a message by another name."""
+    what: ClassVar[str] = "input items"
+    param: ClassVar[str] = "input"
 
 
 class _Shape(msgspec.Struct):
-    messages: list[_Bare] | None = None
-    tools: list[_Bare] | None = None
-
-
-class _Message(msgspec.Struct):
-    content: msgspec.Raw = msgspec.Raw(b"null")  # any JSON value, kept unread (`Raw | None` would mean null only)
-
-
-class _Messages(msgspec.Struct):
-    messages: list[_Message]
+    messages: list[_Message] | None = None
+    input: str | list[_InputItem] | None = None
+    tools: list[_Tool] | None = None
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _body = msgspec.json.Decoder(_Shape)
-_messages = msgspec.json.Decoder(_Messages)
-_parts = msgspec.json.Decoder(list[_Bare])
+_parts = msgspec.json.Decoder(list[_Part])
 
 
 def parse_body(raw: bytes, kind, most: int):
@@ -71,32 +117,20 @@ def validation_error(e) -> APIError:
 
 
 def check_shape(body: bytes, most: int) -> None:
-    """A 400 when the body holds more than `most` messages, content parts or tools. A body of
-    another shape, or not JSON, passes: the parse that follows names what is wrong with it."""
+    """A 400 when the body holds more than `most` messages (or input items), content parts or
+    tools. A body of another shape, or not JSON, passes: the parse that follows names what is
+    wrong with it."""
+    _tally.counts, _tally.most = {}, most
     try:
-        shape = _body.decode(body)
+        _body.decode(body)
+    except _TooMany as e:
+        raise APIError(400, f"the request holds more than {most:,} {e.what}; this server takes at most {most:,} "
+                            f"per request (--max-request-items)", e.param, code="request_too_large") from None
     except msgspec.ValidationError:  # JSON, not a chat request's shape (a DecodeError too: caught first)
         return
     except msgspec.DecodeError as e:
         if _SURROGATE_ESCAPE.search(body):
             return  # msgspec refuses lone UTF-16 surrogates; the parse finds them and names the field
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
-    messages = shape.messages or []
-    for what, count in (("messages", len(messages)), ("tools", len(shape.tools or []))):
-        _check(what, count, most)
-    if not messages:
-        return
-    parts = 0  # counted once the messages are few: a second pass that reads each content's start
-    for message in _messages.decode(body).messages:
-        if memoryview(message.content)[:1] == b"[":  # a raw value starts at its first byte
-            try:
-                parts += len(_parts.decode(message.content))
-            except msgspec.ValidationError:
-                continue  # not a list of parts: the parse refuses it by name
-    _check("content parts", parts, most, "messages")
-
-
-def _check(what: str, count: int, most: int, param: str | None = None) -> None:
-    if count > most:
-        raise APIError(400, f"the request holds {count:,} {what}; this server takes at most {most:,} per request "
-                            f"(--max-request-items)", param or what, code="request_too_large")
+    finally:
+        _tally.counts = {}

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from ..chat import chat_prompt
 from .channel import Channel
 from .engine_thread import Request as Work
-from .protocol import APIError, check_fits
+from .protocol import check_fits
 from .responses_protocol import ResponsesRequest
 
 
@@ -103,10 +103,6 @@ class ResponsesRoutes:
     async def responses(self, request: Request):
         body = await self._parse(request, ResponsesRequest)
         adapter = self._adapter(body.model)
-        if isinstance(body.input, list) and len(body.input) > self.max_items:
-            raise APIError(400, f"the request holds {len(body.input):,} input items; this server takes at most "
-                                f"{self.max_items:,} per request (--max-request-items)", "input",
-                           code="request_too_large")
         ids, stops = await self._off_loop("input", "rendering the chat template", chat_prompt, body.messages(),
                                           self.tokenizer, None, self.template_limits)
         max_tokens = body.max_output_tokens or max(1, self.scheduler.max_context - len(ids))
