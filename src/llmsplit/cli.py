@@ -52,8 +52,7 @@ def cmd_train(args) -> int:
         overrides.append(f"train.profile_steps={args.profile}")
     try:
         result = train(args.config, args.nproc, args.run_dir, args.resume, overrides=overrides, auto=args.auto,
-                       nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                       master_port=args.master_port, max_restarts=args.max_restarts,
+                       **_node_settings(args), max_restarts=args.max_restarts,
                        resume_changed=args.resume_changed, overwrite=args.overwrite)
     except TrainingFailed as e:
         print(f"llmsplit: training failed: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
@@ -62,6 +61,20 @@ def cmd_train(args) -> int:
         print(f"llmsplit: warning: {warning} (the plan is off for this layout; plan_check in summary.json)",
               file=sys.stderr)
     return 0
+
+
+def _node_settings(args) -> dict:
+    """train's and serve's --nnodes/--node-rank/--master-addr/--master-port: those passed, the
+    others from a cluster launcher (launch/cluster_env.py); under torchrun its variables decide."""
+    import os
+
+    from .launch import under_torchrun
+    from .launch.cluster_env import FLAGS, node_settings
+
+    settings, found = node_settings({} if under_torchrun() else os.environ, **{k: getattr(args, k) for k in FLAGS})
+    if found is not None:  # which node this is and where node 0 is: the line to read when nodes do not meet
+        print(f"llmsplit: {found.describe()}", file=sys.stderr, flush=True)
+    return settings
 
 
 # ---------------------------------------------------------------- generate
@@ -221,7 +234,7 @@ def cmd_serve(args) -> int:
     config = _infer_config(args, max_batch=args.max_batch, kv_tokens=args.kv_tokens,
                            prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                            lora=_lora_runs(args.lora),
-                           nodes=Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port))
+                           nodes=Nodes(**_node_settings(args)))
     try:
         serve(args.model, config, host=args.host, port=args.port, name=args.served_model_name, api_key=args.api_key,
               max_queue=args.max_queue, max_body=parse_size(args.max_request_size, "--max-request-size"),

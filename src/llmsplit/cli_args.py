@@ -341,13 +341,16 @@ def _add_plan(sub) -> argparse.ArgumentParser:
 
 
 def _add_node_args(p: argparse.ArgumentParser, node0: str = "") -> None:
-    """The machines a job runs on: the same flags for `train` and `serve`."""
-    p.add_argument("--nnodes", type=COUNT, default=1, metavar="N", help="number of machines (default %(default)s)")
-    p.add_argument("--node-rank", type=number(int, at_least=0), default=0, metavar="R",
-                   help=f"this machine's rank, 0..nnodes-1{node0} (default %(default)s)")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of node 0 (default %(default)s)")
+    """The machines a job runs on: the same flags for `train` and `serve`, None when not passed
+    (a cluster launcher's values, else launch.Nodes' defaults, fill them in: cli._node_settings)."""
+    p.add_argument("--nnodes", type=COUNT, metavar="N", help="number of machines (default 1, or what Slurm, Kubeflow "
+                   "or SkyPilot says: docs/multinode.md)")
+    p.add_argument("--node-rank", type=number(int, at_least=0), metavar="R",
+                   help=f"this machine's rank, 0..nnodes-1{node0} (default 0, or the cluster launcher's)")
+    p.add_argument("--master-addr", metavar="HOST", help="address of node 0 (default 127.0.0.1, or the cluster "
+                   "launcher's)")
     p.add_argument("--master-port", type=number(int, at_least=0, at_most=65535), metavar="PORT",
-                   help="port on node 0 (required with --nnodes > 1; default: a free port)")
+                   help="port on node 0 (required with --nnodes > 1; default: a free port, or the cluster launcher's)")
 
 
 def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None:

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 
 from .. import threads
+from ..errors import ConfigError
+from ..launch.cluster_env import FLAGS, ClusterEnv, detect
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
                "TORCHELASTIC_RUN_ID")
@@ -41,6 +43,10 @@ def run_checks(master_addr: str | None = None, master_port: int | None = None) -
         ok = dist.is_nccl_available()
         checks.append(Check("OK" if ok else "FAIL", "nccl", "available" if ok else "missing",
                             "" if ok else "install a CUDA build of torch with NCCL"))
+    cluster, found = _cluster_check(os.environ)
+    checks.append(cluster)
+    if found is not None:  # the master the launcher names, unless the flags name one
+        master_addr, master_port = master_addr or found.master_addr, master_port or found.master_port
     checks += _launcher_checks(master_addr, master_port)
     checks += _network_checks()
     checks += _resource_checks()
@@ -89,6 +95,24 @@ def _device_checks(torch) -> list[Check]:
         out.append(Check(status, f"cuda:{i}", f"{name}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
                          "" if status == "OK" else "another process holds this GPU's memory (see nvidia-smi)"))
     return out
+
+
+def _cluster_check(env) -> tuple[Check, ClusterEnv | None]:
+    """Which cluster launcher `llmsplit train`/`serve` would take their node flags from here
+    (launch/cluster_env.py), with what it says; the master checks below then use its address."""
+    try:
+        found = detect(env)
+    except ConfigError as e:
+        return Check("FAIL", "cluster launcher", str(e)), None
+    if found is not None:
+        sources = ", ".join(dict.fromkeys(found.sources.values()))
+        unset = [flag for key, flag in FLAGS.items() if getattr(found, key) is None]
+        return Check("WARN" if unset else "OK", "cluster launcher", f"{found.describe()} (from {sources})",
+                     f"pass {' and '.join(unset)} to llmsplit train and serve (no variable here gives "
+                     f"{'it' if len(unset) == 1 else 'them'})" if unset else ""), found
+    # An allocation seen from outside `srun` (a batch script, an salloc shell) is one machine.
+    alone = " (a Slurm job, but not inside a multi-node srun: this machine alone)" if env.get("SLURM_JOB_ID") else ""
+    return Check("OK", "cluster launcher", f"none{alone}: --nnodes and the other node flags decide"), None
 
 
 def _launcher_checks(master_addr: str | None, master_port: int | None) -> list[Check]:

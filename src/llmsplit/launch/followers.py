@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .cluster_env import drop_launcher_variables
 from .workers import (LaunchError, attempt_store, check_master_addr, doctor_hint, failure_error, join_job,
                       prepare_workers, use_master_route)
 
@@ -60,7 +61,9 @@ class Nodes:
 
 def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple):
     """A follower's life: join rank 0's job (the variables Followers set), then run
-    `entrypoint(*args)` as one of its ranks."""
+    `entrypoint(*args)` as one of its ranks. The cluster launcher's PET_* it inherited
+    describe the llmsplit command's job, not its own (cluster_env.drop_launcher_variables)."""
+    drop_launcher_variables(os.environ)
     join_job(timeout_s, backend, announce=_JOINED)
     try:
         return entrypoint(*args)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
+from .cluster_env import drop_launcher_variables
 from .network import bind_collectives_to_master_route
 from .restarts import FailureWatch
 
@@ -252,11 +253,19 @@ def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]
     return method, {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: chosen}
 
 
+# What torch's elastic agent sets for each worker (its local_elastic_agent): the launching
+# process's own values must not replace them. A PyTorchJob's pod carries RANK and WORLD_SIZE
+# for the node, which would give every worker of a node the same rank.
+AGENT_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                             "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+
+
 def _in_environment(environment: dict[str, str], entrypoint, *args):
     """A worker of `launch`: the launching process's environment at this launch (torch's
     elastic agent hands on only OMP_NUM_THREADS of it, and the forkserver's own may be
-    older), then the entrypoint."""
+    older) but the cluster launcher's PET_* (inherited, so removed here), then the entrypoint."""
     os.environ.update(environment)
+    drop_launcher_variables(os.environ)
     _small_mmap_threshold()
     return entrypoint(*args)
 
@@ -295,7 +304,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         rdzv_configs={"rank": node_rank, "timeout": int(max(1, timeout_s))},
         max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
     )
-    environment = dict(os.environ)
+    environment = {name: value for name, value in os.environ.items() if name not in AGENT_VARIABLES}
     try:
         with FailureWatch(environment, first_rank=node_rank * nproc):  # a restart's workers say why
             return elastic_launch(config, _in_environment)(environment, entrypoint, *args)
