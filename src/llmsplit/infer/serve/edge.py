@@ -45,7 +45,8 @@ class Gate:
                  metrics_auth: bool = False):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body, body_timeout
         self.statuses = statuses
-        # /health stays open always (probes); /metrics only on request: scrapers often have no key.
+        # /health stays open always (probes), and so does the chat page at / (it holds no data and asks
+        # for the key itself); /metrics only on request: scrapers often have no key.
         # Ollama's API (/api/) answers from the same model as /v1, so the key guards it too.
         self.guarded = ("/v1", OLLAMA_PREFIX, "/metrics") if metrics_auth else ("/v1", OLLAMA_PREFIX)
 

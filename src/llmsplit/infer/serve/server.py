@@ -37,6 +37,7 @@ from ..config import InferConfig
 from ..engine import SamplingParams
 from ..engine.grammar import Grammars
 from .channel import Channel
+from .chat_page import add_chat_page
 from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
@@ -106,6 +107,7 @@ class Server(OllamaRoutes, ResponsesRoutes):
         app.post("/v1/chat/completions")(self.chat)
         self.add_ollama_routes(app)
         self.add_responses_routes(app)
+        add_chat_page(app)
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
         app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=request_timeout,
