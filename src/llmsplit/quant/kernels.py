@@ -15,6 +15,9 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   before, cost more than the float32 matmul itself.
 - On an AMD EPYC without AMX (avx512_bf16/vnni; BENCHMARKS.md) the crossover is ~24 rows for
   int8, ~40 for Q8_0's two nibbles and past 64 for int4: the switch stays at 32, not per kind.
+- A CPU without bfloat16 arithmetic (AVX2 only) emulates oneDNN's bf16 GEMM ~90x slower than
+  float32, so there the tiles are float32 (`tile_dtype`): a 72-token prompt of SmolLM2-135M
+  Q4_1 10.9 s -> 0.29 s on an AVX2 EPYC.
 - Up to 32 rows of an int4 weight (decode, where a token's time is the weights' bytes) run
   int4_matmul.cpp, the CPU kernel of the operator llmsplit::int4_mm, where the CPU has
   AVX-512 VNNI and VBMI: integer dot products of the nibbles with x kept to 15 bits,
@@ -239,13 +242,24 @@ def _workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
+@functools.cache
+def tile_dtype() -> torch.dtype:
+    """What a prompt's tiles are widened to: bfloat16 where oneDNN multiplies it natively
+    (avx512_bf16, AMX), else float32. On a CPU with AVX2 only, a bfloat16 GEMM is emulated:
+    72 x 576 by 576 x 1536 took 103 ms against 1.1 ms in float32 (AMD EPYC, AVX2, 2 threads),
+    and a 72-token prefill of SmolLM2-135M Q4_1 10.9 s against 0.19 s for its float32 copy."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def _tiled(x: torch.Tensor, w, tile_fn) -> torch.Tensor:
-    """x @ w.T with the weight widened tile by tile (`tile_fn(w, start, stop)` -> bf16 [in, stop - start])."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    """x @ w.T with the weight widened tile by tile (`tile_fn(w, start, stop)` -> [in, stop - start]
+    in `tile_dtype()`)."""
+    dtype = tile_dtype()
+    rows = x.reshape(-1, x.shape[-1]).to(dtype)
     n = w.shape[0]
     cols = w.shape[1] if w.kind == "int8" else w.packed.numel() * 2 // w.scales.shape[1]  # Q8_0: 2 x in
     step = max(ROW_ALIGN, TILE_ELEMS // cols // ROW_ALIGN * ROW_ALIGN)
-    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    y = torch.empty(rows.shape[0], n, dtype=dtype)
     for start in range(0, n, step):
         stop = min(n, start + step)
         torch.mm(rows, tile_fn(w, start, stop), out=y[:, start:stop])
@@ -253,15 +267,15 @@ def _tiled(x: torch.Tensor, w, tile_fn) -> torch.Tensor:
 
 
 def _int8_tile(w, start: int, stop: int) -> torch.Tensor:
-    out = _workspace("bf16", (stop - start) * w.shape[1], torch.bfloat16).view(stop - start, w.shape[1])
+    out = _workspace("tile", (stop - start) * w.shape[1], tile_dtype()).view(stop - start, w.shape[1])
     torch.mul(w.packed[start:stop], w.scales[start:stop, None], out=out)
     return out.t()
 
 
 def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of an int4 weight as bf16 [in, rows] from its scales as packed
-    (`pack_int4`): q * scale + min (float16) or (q - 8) * scale + zero (bfloat16), in float32
-    and rounded once to bf16. The kernel's layout is [rows / B, in, B/2]
+    """Rows [start, stop) of an int4 weight as `tile_dtype()` [in, rows] from its scales as
+    packed (`pack_int4`): q * scale + min (float16) or (q - 8) * scale + zero (bfloat16), in
+    float32 and rounded once to the tile's dtype. The kernel's layout is [rows / B, in, B/2]
     bytes (`int4_block`), rows j and j + B/2 of a block sharing a byte, so the nibbles split
     into [blocks, in, 2, B/2] are the rows in order. Every step is one contiguous pass; an
     `addcmul` whose scales broadcast with a stride was 10x slower, measured."""
@@ -269,7 +283,7 @@ def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
     cols = w.packed.numel() * 2 // w.scales.shape[1]
     wanted, stop = stop - start, -(-stop // b) * b  # the last tile reads the padded rows too
     rows = stop - start
-    if native_int4_available():  # one pass, the same values (int4_matmul.cpp's int4_widen)
+    if native_int4_available() and tile_dtype() == torch.bfloat16:  # one pass, the same values (int4_widen)
         out = _workspace("bf16", cols // (2 if w.doubled else 1) * rows, torch.bfloat16).view(-1, rows)
         torch.ops.llmsplit.int4_widen(w.packed, w.scales, w.group, start // b, stop // b, w.doubled, out)
         return out[:, :wanted]
@@ -284,7 +298,7 @@ def _int4_tile(w, start: int, stop: int) -> torch.Tensor:
         sz = sz if sz.shape[-1] == 1 else sz[sz.shape[0] // 2:]
     elif w.scales.dtype == torch.bfloat16:  # (q - 8) * scale + zero; float16's q * scale + min
         q.sub_(8)
-    out = _workspace("bf16", cols * rows, torch.bfloat16).view(cols, rows)
+    out = _workspace("tile", cols * rows, tile_dtype()).view(cols, rows)
     out.view(cols, -1, b).copy_(q.reshape(-1, cols, b).transpose(0, 1))
     grouped = out.view(sz.shape[0], -1, rows)
     scale = sz[..., 0].unsqueeze(1).contiguous()
