@@ -3,6 +3,7 @@ clear sentence (exit 2) for each kind of bad input (a model over its memory budg
 explained with exit 1: tests/test_oom.py)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -25,9 +26,11 @@ def test_cli_prints_what_the_api_generates(folder, tmp_path):
     want = m.generate("The def statement", max_new_tokens=8, ignore_eos=True)
     out = run_cli("generate", "--model", str(folder), "The", "def", "statement", "--max-new-tokens", "8",
                   "--ignore-eos", "--max-memory", "cpu=500KiB", "--offload-dir", str(tmp_path / "off"),
-                  "--max-context", "32", "--show-device-map", "--stream")
-    assert out.stdout == want + "\n"
+                  "--max-context", "32", "--show-device-map", "--stream", "--speculative", "ngram", "--verbose")
+    assert out.stdout == want + "\n"  # speculative proposals over layers offloaded to disk: the same text
     assert "device map:" in out.stderr and ": disk" in out.stderr and "cpu:" in out.stderr
+    assert re.search(r"prompt \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\); decode 7 tokens in", out.stderr), out.stderr
+    assert re.search(r"speculative ngram: (\d+/\d+ proposals accepted|nothing proposed)", out.stderr), out.stderr
 
 
 @pytest.mark.parametrize("args,message", [
@@ -37,6 +40,9 @@ def test_cli_prints_what_the_api_generates(folder, tmp_path):
     (["--model", "{folder}", "hi", "--max-memory", "cpu:1GB"], "--max-memory 'cpu:1GB' does not parse"),
     (["--model", "{folder}", "hi", "--tp", "3"], "--tp 3 does not divide"),
     (["--model", "{folder}", ""], "the prompt is empty"),
+    (["--model", "{folder}", "hi", "--speculative-tokens", "0", "--speculative", "ngram"],
+     "--speculative-tokens 0 must be in [1, 16]"),
+    (["--model", "{folder}", "hi", "--speculative", "path/to/draft"], "--speculative 'path/to/draft' is not a method"),
 ])
 def test_bad_input_is_one_sentence(folder, tmp_path, capsys, monkeypatch, args, message):
     # In-process: the console script's main(), without an interpreter start-up per case.

@@ -67,6 +67,8 @@ def test_a_narrow_kv_cache(folder, reference, kv_dtype):
     0.27x at SmolLM2's 64), bfloat16's 32 (0.5x)."""
     m, ref = llmsplit.load(folder, device_map="cpu", kv_dtype=kv_dtype), llmsplit.load(folder, device_map="cpu")
     assert run(m)[1] == reference[1]
+    # Speculative proposals verified over the narrow cache: the same tokens (the rows it keeps, exactly).
+    assert run(llmsplit.load(folder, device_map="cpu", kv_dtype=kv_dtype, speculative="ngram"))[1] == reference[1]
     ids = torch.tensor(PROMPTS[2] + PROMPTS[0] + PROMPTS[1] + PROMPTS[0])
 
     def through_the_cache(model):  # in chunks of 4: each reads the earlier chunks' keys from the pool
@@ -98,7 +100,8 @@ def test_cpu_plus_disk_under_a_small_budget(folder, reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}])
+# tp x pp with speculative decoding: its proposals verified across the workers give the same tokens.
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2, "speculative": "ngram"}])
 def test_worker_processes(folder, reference, layout):
     m = llmsplit.load(folder, **layout)
     try:
@@ -110,6 +113,8 @@ def test_worker_processes(folder, reference, layout):
         assert_same(run(m), reference)
         assert m.generate("The def statement", max_new_tokens=6) == llmsplit.load(folder).generate(
             "The def statement", max_new_tokens=6)
+        if "speculative" in layout:
+            assert m.engine.speculation.accepted > 0
     finally:
         m.close()
 

@@ -85,7 +85,9 @@ def live_server(folder, tmp_path, *flags, prefix=()):
 def server(folder, tmp_path_factory):
     with live_server(folder, tmp_path_factory.mktemp("log"), "--api-key", KEY, "--metrics-auth", "--max-batch", "4",
                      "--max-queue", "32", "--max-request-size", "64KiB", "--max-request-items", "100",
-                     "--template-timeout", str(TEMPLATE_TIMEOUT), "--template-max-bytes", "256MiB") as (url, proc, log):
+                     "--template-timeout", str(TEMPLATE_TIMEOUT), "--template-max-bytes", "256MiB",
+                     # Every request of this file through speculative decoding: greedy answers are the same.
+                     "--speculative", "ngram") as (url, proc, log):
         SERVER_PID[url] = proc.pid
         yield url
     assert proc.returncode == 0, log.read_text()  # SIGTERM drained and exited cleanly
@@ -154,7 +156,13 @@ def test_greedy_output_equals_llmsplit_generate(server, folder):
     want = run_cli("generate", "--model", str(folder), PROMPT, "--max-new-tokens", "12", "--ignore-eos").stdout
     r = client(server).completions.create(model="llama", prompt=PROMPT, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True})
-    assert r.choices[0].text + "\n" == want
+    assert r.choices[0].text + "\n" == want  # the server speculates (--speculative ngram), generate does not
+    before = metrics(server)  # a prompt that repeats: proposals found and taken
+    client(server).completions.create(model="llama", prompt="a b c d a b c d a b c d", max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(server)
+    assert after["speculative_proposed_tokens_total"] > before["speculative_proposed_tokens_total"]
+    assert 0 < after["speculative_acceptance_rate"] <= 1 and after["speculative_tokens_per_step"] > 1
 
 
 def test_log_probabilities_score_the_prompt_as_a_full_forward_does(server, folder):

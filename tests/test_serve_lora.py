@@ -101,7 +101,9 @@ def test_the_server_lists_the_adapters_and_the_model_field_picks_one(runs):
     from llmsplit.infer.serve.server import Server
 
     base, a, b = runs
-    served = llmsplit.load(base, device_map="cpu", max_batch=4, max_context=64, lora={"a": str(a), "b": str(b)})
+    # With speculative decoding: proposals verified under the request's adapter give its merged model's text.
+    served = llmsplit.load(base, device_map="cpu", max_batch=4, max_context=64, lora={"a": str(a), "b": str(b)},
+                           speculative="ngram")
     want = llmsplit.load(b, device_map="cpu", max_context=64).generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True)
     with TestClient(Server(served, "base").app) as c:
         models = c.get("/v1/models").json()["data"]

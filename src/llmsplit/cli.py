@@ -148,6 +148,7 @@ def _print_generation(m, prompt: list[int], args):
     import torch
 
     from .diagnose.oom import infer_failure
+    from .infer.timing import GenerationTiming
 
     def emit(piece: str) -> None:
         sys.stdout.write(piece)
@@ -157,6 +158,7 @@ def _print_generation(m, prompt: list[int], args):
         if args.show_device_map:
             print(m.placement.describe() if m.placement else
                   "device map:\n" + "\n".join(f"  {u}: {d}" for u, d in m.device_map.items()), file=sys.stderr)
+        timing = GenerationTiming(m.engine, len(prompt))
         text = m.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                           ignore_eos=args.ignore_eos, on_text=emit if args.stream else None)
@@ -167,18 +169,21 @@ def _print_generation(m, prompt: list[int], args):
     if not args.stream:
         sys.stdout.write(text)
     sys.stdout.write("\n")
+    if args.verbose:
+        print(timing.summary(), file=sys.stderr)
     return None
 
 
 def _infer_config(args, **fields):
-    """The placement flags of generate and serve (`cli_args._add_placement_args`), with `fields`
+    """The placement flags of generate and serve (`cli_shared_args.add_placement_args`), with `fields`
     (the command's own), as the `InferConfig` they load with."""
     from .infer.config import InferConfig
 
     return InferConfig(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir,
                        dtype=args.dtype, tp=args.tp, pp=args.pp, max_context=args.max_context, compile=args.compile,
                        quantize=args.quantize, kv_dtype=args.kv_dtype, tune_threads=True,
-                       n_cpu_moe=args.n_cpu_moe or 0, **fields)
+                       n_cpu_moe=args.n_cpu_moe or 0, speculative=args.speculative,
+                       speculative_tokens=args.speculative_tokens, **fields)
 
 
 def _explain_infer_failure(args, failure, config, min_context: int = 16) -> int:

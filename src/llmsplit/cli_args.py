@@ -10,6 +10,8 @@ import re
 import sys
 from collections.abc import Callable
 
+from .cli_shared_args import COUNT, add_placement_args, number
+
 EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
 # Three real commands each, after EPILOG in `train/generate/serve --help` (README's examples;
 # tests/test_cli_flags.py parses them). The GGUF file is README's SmolLM2-135M-Instruct.
@@ -81,31 +83,6 @@ class _Formatter(argparse.HelpFormatter):
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
-
-
-def number(kind: type, at_least=None, above=None, at_most=None) -> Callable:
-    """An argparse `type`: `kind` (int or float) within the bounds. A value out of range is
-    refused while the command line is parsed, naming the flag, before any model loads."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        # Negated comparisons, so that a float NaN is out of every range.
-        if at_least is not None and not value >= at_least:
-            raise argparse.ArgumentTypeError(f"{text} must be at least {at_least}")
-        if above is not None and not value > above:
-            raise argparse.ArgumentTypeError(f"{text} must be more than {above}")
-        if at_most is not None and not value <= at_most:
-            raise argparse.ArgumentTypeError(f"{text} must be at most {at_most}")
-        return value
-
-    parse.__name__ = kind.__name__  # what argparse calls the type in its own messages
-    return parse
-
-
-COUNT = number(int, at_least=1)  # workers, devices, tokens, sequences
 
 
 def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
@@ -180,8 +157,10 @@ def _add_generate(sub) -> argparse.ArgumentParser:
     p.add_argument("--show-prompt", action="store_true", help="print the prompt as the model reads it, after the "
                    "chat template (stderr)")
     _add_template_args(p)
-    _add_placement_args(p, context_default="prompt + --max-new-tokens, at most the model's")
+    add_placement_args(p, context_default="prompt + --max-new-tokens, at most the model's")
     p.add_argument("--show-device-map", action="store_true", help="print where each module lives, with bytes (stderr)")
+    p.add_argument("--verbose", action="store_true", help="print prompt and decode tokens/s, and with --speculative "
+                   "how many proposals the model took (stderr)")
     return p
 
 
@@ -232,7 +211,7 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                    help="messages, content parts and tools one request may hold, each counted before the body is "
                         "parsed (default %(default)s)")
     _add_template_args(p)
-    _add_placement_args(p, context_default="the model's, at most 4096")
+    add_placement_args(p, context_default="the model's, at most 4096")
     _add_node_args(p, node0="; node 0 serves HTTP, the others run their share of the --tp/--pp workers")
     return p
 
@@ -287,7 +266,7 @@ def _add_eval(sub) -> argparse.ArgumentParser:
     p.add_argument("--include-path", metavar="DIR", help="a folder of your own task YAML files (default none)")
     p.add_argument("--output", metavar="DIR", help="write results.json there (default: print the table only)")
     p.add_argument("--max-batch", type=COUNT, default=16, metavar="N", help="sequences scored together (default 16)")
-    _add_placement_args(p, context_default="the model's, at most 4096")
+    add_placement_args(p, context_default="the model's, at most 4096")
     return p
 
 
@@ -351,36 +330,6 @@ def _add_node_args(p: argparse.ArgumentParser, node0: str = "") -> None:
                    "launcher's)")
     p.add_argument("--master-port", type=number(int, at_least=0, at_most=65535), metavar="PORT",
                    help="port on node 0 (required with --nnodes > 1; default: a free port, or the cluster launcher's)")
-
-
-def _add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None:
-    """Where a model for generation lives: the same flags for `generate` and `serve`
-    (`context_default` says what each does without --max-context)."""
-    p.add_argument("--device-map", default="auto", metavar="auto|balanced|sequential|cpu|DEVICE",
-                   help="how to place the model (default auto: fill devices in order, then CPU, then disk)")
-    p.add_argument("--max-memory", metavar="DEV=SIZE,...", help="budgets, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB "
-                   "(default: the free memory of each device)")
-    p.add_argument("--offload-dir", metavar="DIR", help="folder for layers that fit in no memory budget; the files "
-                   "written there are removed at the end, and the folder if llmsplit made it (default: no disk offload)")
-    p.add_argument("--tp", type=COUNT, default=1, metavar="N",
-                   help="tensor parallel over N worker processes (default %(default)s)")
-    p.add_argument("--pp", type=COUNT, default=1, metavar="N",
-                   help="pipeline stages over N worker processes (default %(default)s)")
-    p.add_argument("--dtype", metavar="fp32|bf16|fp16", help="compute dtype (default fp32 on CPU, the model's on GPU)")
-    p.add_argument("--max-context", type=number(int, at_least=2), metavar="N", help="tokens per sequence the KV "
-                   f"cache holds (default: {context_default})")
-    p.add_argument("--quantize", choices=("int8", "int4", "none"), help="keep the weights packed: int8 (one scale "
-                   "per row) or int4 (groups of 32) quantized at load; none widens a GGUF's own int4/int8 to --dtype "
-                   "(default: a GGUF keeps its own, other models stay float)")
-    p.add_argument("--kv-dtype", choices=("int8", "bfloat16"), help="store the KV cache as int8 with a scale "
-                   "per token and head (about 1/4 of the float32 cache's bytes, 1/2 of bfloat16's), or as bfloat16 "
-                   "under a float32 compute dtype (1/2, and faster decoding of many long sequences on CPU) (default: "
-                   "the compute dtype)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
-                   "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
-    p.add_argument("--n-cpu-moe", type=number(int, at_least=1), metavar="N",
-                   help="keep the routed experts of the first N mixture-of-experts layers in CPU memory, attention "
-                   "on the accelerator, as llama.cpp's --n-cpu-moe (default: experts stay with their layer)")
 
 
 class _ConfigKeysAction(argparse.Action):

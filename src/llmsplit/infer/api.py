@@ -18,6 +18,7 @@ from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..parallel.mesh import ParallelDims
 from .config import InferConfig
 from .engine import Engine, SamplingParams
+from .engine.speculative import Speculation
 from .runner.kv_cache import kv_element_bytes
 from ..plan.placement import MODES, Placement, Sizes, place
 from .runner.budgets import detect_budgets
@@ -161,7 +162,7 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, config.block_size, config.max_batch, sizes.context,
                     config.prefix_caching, config.max_num_batched_tokens,
-                    one_decode_batch=config.compile or runner.decodes_in_place)
+                    one_decode_batch=config.compile or runner.decodes_in_place, speculation=_speculation(config))
     if config.compile:
         _compile_decode_graphs(engine, config.max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters])
@@ -185,6 +186,12 @@ def follow(path, config: InferConfig | None = None, *, announce=None, **fields) 
         run_adapters(run, f"--lora {name}", source.config)
     del source
     follow_node(spec)
+
+
+def _speculation(config: InferConfig) -> Speculation | None:
+    if config.speculative is None:
+        return None
+    return Speculation(config.speculative, config.speculative_tokens)
 
 
 def _sized(source, config: InferConfig):

@@ -13,7 +13,9 @@ from ..errors import ConfigError
 from ..launch import Nodes
 from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own packing
 
-KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
+KV_DTYPES = ("int8", "bfloat16")
+SPECULATIVE = ("ngram",)  # --speculative: the proposers engine/speculative.py has
+MAX_SPECULATIVE_TOKENS = 16  # --speculative-tokens: proposals a step may verify per sequence  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class InferConfig:
     float32's bytes. prefix_caching: share the KV blocks of common prompt starts.
     max_num_batched_tokens: tokens one step computes at most. tune_threads: pick the CPU thread
     count as it decodes. lora: {name: LoRA run or PEFT folder} served over the model.
-    n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory."""
+    n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory.
+    speculative: "ngram" proposes speculative_tokens tokens a step by prompt lookup, verified
+    in one forward (engine/speculative.py; greedy output unchanged); None: off."""
     device_map: str | dict = "auto"
     max_memory: str | dict | None = None
     offload_dir: str | None = None
@@ -53,9 +57,12 @@ class InferConfig:
     lora: dict | None = None
     nodes: Nodes = field(default_factory=Nodes)
     n_cpu_moe: int = 0
+    speculative: str | None = None
+    speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         self._check_sizes()
+        self._check_speculative()
         self._check_split()
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ConfigError(f"quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE)}")
@@ -94,6 +101,14 @@ class InferConfig:
         if self.nodes.nnodes > 1 and world % self.nodes.nnodes:
             raise ConfigError(f"--nnodes {self.nodes.nnodes} must divide the {world} workers of --tp {self.tp} "
                               f"--pp {self.pp} (each node runs as many); change --nnodes, --tp or --pp")
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ConfigError(f"--speculative {self.speculative!r} is not a method llmsplit has; use one of: "
+                              f"{', '.join(SPECULATIVE)} (a draft model is not supported yet)")
+        if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--speculative-tokens {self.speculative_tokens} must be in [1, "
+                              f"{MAX_SPECULATIVE_TOKENS}]: the tokens proposed a step")
 
     @property
     def split(self) -> bool:

@@ -104,14 +104,28 @@ class BlockPool:
 
     def free(self, seq_id: int) -> None:
         for block in reversed(self.tables.pop(seq_id, [])):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None  # kept for a later prompt with the same start
-                else:
-                    self._free.append(block)
+            self._release(block)
         self.lengths.pop(seq_id, None)
         self._roots.pop(seq_id, None)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Forget what `seq_id` holds past `length` tokens (speculative proposals the model did
+        not take); the blocks past it go back to the pool (never committed: nothing finds them)."""
+        if length >= self.lengths[seq_id]:
+            return
+        table, keep = self.tables[seq_id], self.blocks_for(length)
+        for block in reversed(table[keep:]):
+            self._release(block)
+        del table[keep:]
+        self.lengths[seq_id] = length
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None  # kept for a later prompt with the same start
+            else:
+                self._free.append(block)
 
     def _take(self) -> int:
         if self._free:
@@ -136,6 +150,16 @@ class BlockPool:
         taken): a prefill chunk after what its cache holds."""
         gather = self._gather([seq_id], start + n)
         return Step(start, gather[0, start:].clone(), gather, None)
+
+    def rows(self, seq_id: int, n: int) -> "Step":
+        """The last n tokens of one sequence (already appended) as n one-token rows, row i
+        attending up to its own position: speculative proposals verified by the very kernels
+        that decode one token at a time, so each row's logits are bit for bit a decode step's
+        (a prefill chunk's attention sums in another order, enough to flip the argmax of two
+        nearly equal logits)."""
+        length = self.lengths[seq_id]
+        gather = self._gather([seq_id], length).expand(n, length).contiguous()
+        return Step.masked(torch.arange(length - n, length), 1, gather)
 
     def step(self, seq_ids: list[int], n_new: int) -> "Step":
         """The step that writes the last n_new tokens of each sequence (already appended)."""

@@ -22,6 +22,7 @@ from .block_manager import BlockPool
 from .sampler import logprob_entry, sample_batch
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+from .speculative import Speculation
 from .step import PackedStep
 
 __all__ = ["Engine", "SamplingParams", "Sequence"]
@@ -30,12 +31,14 @@ __all__ = ["Engine", "SamplingParams", "Sequence"]
 class Engine:
     def __init__(self, runner, tokenizer, eos_ids: set[int], num_blocks: int, block_size: int,
                  max_batch: int, max_context: int, prefix_caching: bool = True,
-                 max_num_batched_tokens: int | None = None, one_decode_batch: bool = False):
+                 max_num_batched_tokens: int | None = None, one_decode_batch: bool = False,
+                 speculation: Speculation | None = None):
         self.runner = runner
+        self.speculation = speculation
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.scheduler = Scheduler(BlockPool(num_blocks, block_size, prefix_caching), max_batch, max_context,
-                                   max_num_batched_tokens, one_decode_batch)
+                                   max_num_batched_tokens, one_decode_batch, speculation)
         self.pool = self.scheduler.pool
         self.max_batch = max_batch
         self.max_context = max_context
@@ -107,7 +110,8 @@ class Engine:
                 "kv_tokens_reserved": reserved, "kv_tokens_used": used,
                 "prefix_cache_queries": pool.query_tokens, "prefix_cache_hits": pool.hit_tokens,
                 "preemptions": sched.preemptions, "recomputed_tokens": sched.recomputed_tokens,
-                "prompt_tokens": sched.prompt_tokens, "generated_tokens": self.sampled_tokens}
+                "prompt_tokens": sched.prompt_tokens, "generated_tokens": self.sampled_tokens,
+                **(self.speculation.stats() if self.speculation is not None else {})}
 
     def step(self) -> list[Sequence]:
         """One round: what the scheduler admits and plans, one forward of the runner for all of
@@ -119,12 +123,30 @@ class Engine:
         tokens, step, adapters = self.scheduler.inputs(batch)
         out = self.runner.forward(tokens, step, last_only=True, adapters=adapters)
         logits = (out[0] if isinstance(step, PackedStep) else out[:, -1]).float()
-        sampling, rows, scored = self.scheduler.settle(batch)
+        sampling, rows, scored, verifying = self.scheduler.settle(batch)
         for seq, start, first, n in scored:
             _score_prompt(seq, start, logits[first:first + n])
         for seq, token, entry in zip(sampling, *sample_batch(logits[rows], sampling, self.eos_ids)):
             self._advance(seq, token, entry)
+        for seq, proposal, first in verifying:
+            self._verify(seq, proposal, logits[first:first + 1 + len(proposal)])
         return self.scheduler.collect()
+
+    def _verify(self, seq: Sequence, proposal: list[int], logits: torch.Tensor) -> None:
+        """Take the model's tokens from the rows of verified proposals (speculative.py): row i
+        samples as a decode step would after the proposals before it, and the walk stops at
+        the first token that is not the proposal (that token, the model's own, still counts)."""
+        accepted = emitted = 0
+        for i in range(len(proposal) + 1):
+            guess = proposal[i] if i < len(proposal) else None
+            (token,), (entry,) = sample_batch(logits[i:i + 1], [seq], self.eos_ids)
+            self._advance(seq, token, entry)
+            emitted += 1
+            accepted += token == guess
+            if seq.finish_reason is not None or token != guess:
+                break
+        self.scheduler.forget_rejected(seq)
+        self.speculation.count(len(proposal), accepted, emitted)
 
     def generate(self, seqs: list[Sequence], on_text=None) -> list[Sequence]:
         """Run every sequence to its end; `on_text(index, piece)` receives text as it is final."""

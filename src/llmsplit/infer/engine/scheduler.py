@@ -13,13 +13,14 @@ the runner, `settle()` says which rows are sampled.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ...errors import ConfigError
 from .block_manager import BlockPool
 from .sequence import Sequence
+from .speculative import SPECULATE_UP_TO, Speculation
 from .step import PackedStep
 
 # Tokens a step computes by default: prompt tokens/s of SmolLM2-135M (GGUF Q4_1, 1 thread, load
@@ -33,10 +34,12 @@ STARVE_TOKENS = 16384
 
 @dataclass
 class Batch:
-    """One step's work: decoding sequences in `groups` (each one part of the step) and prefill
-    `chunks` (sequence, start, tokens); logits come back in that order, decodes first."""
+    """One step's work: decoding sequences in `groups` (each one part of the step), sequences
+    `verifying` speculative proposals (each its newest token and the proposals, one part),
+    and prefill `chunks` (sequence, start, tokens); logits come back in that order."""
     groups: list[list[Sequence]]
     chunks: list[tuple[Sequence, int, int]]
+    verifying: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
     @property
     def decoding(self) -> list[Sequence]:
@@ -45,8 +48,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_context: int,
-                 max_num_batched_tokens: int | None = None, one_decode_batch: bool = False):
+                 max_num_batched_tokens: int | None = None, one_decode_batch: bool = False,
+                 speculation: Speculation | None = None):
         self.pool = pool
+        self.speculation = speculation
         self.max_batch = max_batch
         self.max_context = max_context
         # Tokens one step computes at most (decodes first, then prefill chunks): a long prompt
@@ -91,12 +96,15 @@ class Scheduler:
         never stalls the streams. None when there is nothing to compute."""
         self._admit()
         decoding = self._make_room()
-        chunks = self._plan_chunks(self.max_num_batched_tokens - len(decoding))
-        if not (decoding or chunks):
-            return None
         for s in decoding:
             self.pool.append(s.id, 1)
-        return Batch(self._decode_groups(decoding), chunks)
+        verifying = self._propose(decoding)
+        decoding = [s for s in decoding if all(s is not v for v, _ in verifying)]
+        computed = len(decoding) + sum(1 + len(p) for _, p in verifying)
+        chunks = self._plan_chunks(self.max_num_batched_tokens - computed)
+        if not (decoding or verifying or chunks):
+            return None
+        return Batch(self._decode_groups(decoding), chunks, verifying)
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
         """(tokens, step, adapters) of the runner's forward for `batch`: each decoding sequence's
@@ -106,26 +114,35 @@ class Scheduler:
         [b, 1] shape a compiled decode graph takes."""
         decoding = batch.decoding
         decodes = [self.pool.step([s.id for s in g], 1) for g in batch.groups]
-        adapters = [s.adapter for s in decoding] + [seq.adapter for seq, _, n in batch.chunks for _ in range(n)]
+        adapters = ([s.adapter for s in decoding] + [seq.adapter for seq, p in batch.verifying for _ in range(1 + len(p))]
+                    + [seq.adapter for seq, _, n in batch.chunks for _ in range(n)])
         adapters = torch.tensor(adapters) if any(adapters) else None
-        if not batch.chunks and len(decodes) == 1:
+        if not batch.chunks and not batch.verifying and len(decodes) == 1:
             return torch.tensor([[s.tokens[-1]] for s in decoding]), decodes[0], adapters
         parts = decodes
         tokens = [s.tokens[-1] for s in decoding]
+        for seq, proposal in batch.verifying:  # the newest token, then the proposals: a row each
+            parts.append(self.pool.rows(seq.id, 1 + len(proposal)))
+            tokens += [seq.tokens[-1], *proposal]
         for seq, start, n in batch.chunks:
             parts.append(self.pool.chunk(seq.id, start, n))
             tokens += seq.filling[start:start + n]
-        first_rows = [None] * len(batch.groups) + [_first_row(*chunk) for chunk in batch.chunks]
+        first_rows = [None] * (len(batch.groups) + len(batch.verifying)) + [_first_row(*chunk) for chunk in batch.chunks]
         return torch.tensor([tokens]), PackedStep.pack(parts, first_rows), adapters
 
-    def settle(self, batch: Batch) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int, int]]]:
+    def settle(self, batch: Batch) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int, int]],
+                                            list[tuple[Sequence, list[int], int]]]:
         """After the forward: chunks count as computed, a context filled to its end becomes
         findable by prefix; returns the sequences to sample and their rows of logits (every
-        decode, and each new sequence whose prompt is now complete), and the chunks of prompts
-        being scored with the rows that came back: (sequence, position of the first, its row, rows)."""
+        decode, and each new sequence whose prompt is now complete), the chunks of prompts
+        being scored with the rows that came back: (sequence, position of the first, its row,
+        rows), and the sequences verifying proposals: (sequence, proposals, first row)."""
         decoding = batch.decoding
-        sampling, rows, scored = list(decoding), list(range(len(decoding))), []
+        sampling, rows, scored, verifying = list(decoding), list(range(len(decoding))), [], []
         first = len(decoding)
+        for seq, proposal in batch.verifying:
+            verifying.append((seq, proposal, first))
+            first += 1 + len(proposal)
         for seq, start, n in batch.chunks:
             skip = _first_row(seq, start, n)
             if skip is not None:
@@ -139,7 +156,7 @@ class Scheduler:
                 if not seq.tokens:  # a new sequence (a recomputed one already has its next token)
                     sampling.append(seq)
                     rows.append(row)
-        return sampling, rows, scored
+        return sampling, rows, scored, verifying
 
     def collect(self) -> list[Sequence]:
         """The running sequences that finished, their blocks returned."""
@@ -148,6 +165,12 @@ class Scheduler:
             self.running.remove(seq)
             self.release(seq)
         return finished
+
+    def forget_rejected(self, seq: Sequence) -> None:
+        """After verifying: the cache keeps the sequence's context but its newest token (fed
+        next step, as after any decode), not the proposals the model did not take."""
+        if seq.id in self.pool.lengths:
+            self.pool.truncate(seq.id, seq.length - 1)
 
     def release(self, seq: Sequence) -> None:
         if seq.id in self.pool.lengths:  # what its cache holds (prompt, then every token fed) stays findable
@@ -199,6 +222,23 @@ class Scheduler:
             victim.preemptions += 1
             self.preemptions += 1
         return decoding
+
+    def _propose(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, proposals) of the decoding sequences that verify proposals this step, their
+        room in the cache taken; none when nothing speculates or too many decode at once. A
+        sequence proposes no more than it may still generate and its context and the pool hold."""
+        if self.speculation is None or len(decoding) > SPECULATE_UP_TO:
+            return []
+        verifying = []
+        for seq in decoding:
+            length = self.pool.lengths[seq.id]  # its context, the newest token's room taken
+            room = min(seq.params.max_new_tokens - len(seq.tokens) - 1, self.max_context - length,
+                       (len(self.pool.tables[seq.id]) + self.pool.free_blocks) * self.pool.block_size - length)
+            proposal = self.speculation.propose(seq.prompt + seq.tokens, room) if room > 0 else []
+            if proposal:
+                self.pool.append(seq.id, len(proposal))
+                verifying.append((seq, proposal))
+        return verifying
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, tokens) of the contexts being filled that this step computes, up

@@ -82,3 +82,19 @@ class _Live:
         queries = c["prefix_cache_queries"]
         yield GaugeMetricFamily("llmsplit_prefix_cache_hit_rate", "Prompt tokens found cached over those looked up.",
                                 value=c["prefix_cache_hits"] / queries if queries else 0.0)
+        if "speculative_proposed_tokens" in c:  # --speculative
+            yield from _speculative_metrics(c)
+
+
+def _speculative_metrics(c: dict):
+    """Speculative decoding's counters (engine/speculative.py), and the two rates they give."""
+    for name, help_text in (("proposed_tokens", "Tokens proposed and verified."),
+                            ("accepted_tokens", "Proposed tokens the model took as its own."),
+                            ("verify_steps", "Steps of one sequence that verified proposals."),
+                            ("emitted_tokens", "Tokens those steps produced (accepted, plus the model's own one).")):
+        yield CounterMetricFamily(f"llmsplit_speculative_{name}", help_text, value=c[f"speculative_{name}"])
+    proposed, steps = c["speculative_proposed_tokens"], c["speculative_verify_steps"]
+    yield GaugeMetricFamily("llmsplit_speculative_acceptance_rate", "Accepted over proposed tokens.",
+                            value=c["speculative_accepted_tokens"] / proposed if proposed else 0.0)
+    yield GaugeMetricFamily("llmsplit_speculative_tokens_per_step", "Tokens a verifying step produced, on average.",
+                            value=c["speculative_emitted_tokens"] / steps if steps else 0.0)

@@ -336,7 +336,8 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
             try:
                 _Uvicorn(config, lambda: server.scheduler.drain(drain_timeout)).run(sockets=[sock])
             finally:
-                print(f"llmsplit: stopped after answering {server.scheduler.finished_requests} requests",
+                print(f"llmsplit: stopped after answering {server.scheduler.finished_requests} requests"
+                      + (f"; {model.engine.speculation.summary()}" if model.engine.speculation else ""),
                       file=sys.stderr, flush=True)
         finally:
             model.close()

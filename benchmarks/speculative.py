@@ -1,0 +1,104 @@
+"""Speculative decoding against none, side by side in one process: decode tokens/s of
+`llmsplit.load(..., speculative="ngram")` and of the default engine on the same GGUF file,
+greedy (so both produce the same tokens, which the benchmark checks), prompts in the model's
+chat template.
+
+`python -m benchmarks.speculative --gguf FILE.gguf [--rounds 3] [--tokens 4] [--max-new-tokens 128]`
+
+Two prompt sets: `grounded` (the answer quotes its input: edit this code, copy a passage,
+answer from a document), where prompt lookup finds what comes next, and `open` (chat without
+a text to quote), where it rarely does and should cost little. Decode tokens/s counts the
+tokens after the first over the time after the first (the prompt's time is the same on both
+sides). Rounds alternate the order; each round prints as measured with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+CODE = '''def parse_config(path):
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config
+
+
+def merge_configs(base, override):
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = value
+    return merged
+'''
+DOCUMENT = ("The lighthouse at Point Arena was built in 1870 and rebuilt in 1907 after the earthquake of 1906 "
+            "damaged its tower beyond repair. The new tower, 115 feet tall, was the first in the United States "
+            "built of reinforced concrete. Its first-order Fresnel lens, made in France, was lit by a kerosene "
+            "lamp until 1940, when electric light replaced it. Today the lighthouse is a museum, and visitors can "
+            "climb the 145 steps to the top of the tower.")
+GROUNDED = [
+    f"Add a docstring to each function of this code and return the whole code:\n\n{CODE}",
+    f"Rename the variable `config` to `settings` in this code and return the whole code:\n\n{CODE}",
+    f"Here is a text:\n\n{DOCUMENT}\n\nCopy the text exactly, word for word.",
+    f"Document:\n{DOCUMENT}\n\nAnswer from the document, quoting its sentences: when was the tower rebuilt, "
+    f"what is it built of, and what lit its lens?",
+]
+OPEN = ["Write a short story about a cat who learns to fly.", "What are three tips for staying productive?",
+        "Explain how a rainbow forms.", "Write a poem about the sea."]
+
+
+def decode_rate(m, ids: list[int], max_new: int) -> tuple[float, list[int]]:
+    """(decode tokens/s, tokens) of one greedy answer."""
+    from llmsplit.infer.engine import SamplingParams
+
+    marks: list[float] = []
+    m.engine.on_latency = lambda first, _s: marks.append(time.perf_counter())
+    seq = m.engine.new_sequence(ids, SamplingParams(max_new))
+    m.engine.generate([seq])
+    return (len(marks) - 1) / (marks[-1] - marks[0]), seq.tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    a = p.parse_args()
+    import llmsplit
+    from llmsplit.infer.chat import chat_prompt
+
+    models = {"none": llmsplit.load(a.gguf, max_batch=1, max_context=1024),
+              "ngram": llmsplit.load(a.gguf, max_batch=1, max_context=1024, speculative="ngram",
+                                     speculative_tokens=a.tokens)}
+    sets = {"grounded": GROUNDED, "open": OPEN}
+    ids = {name: [chat_prompt([{"role": "user", "content": q}], models["none"].tokenizer)[0] for q in qs]
+           for name, qs in sets.items()}
+    rates: dict[tuple[str, str], list[float]] = {}
+    print(f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, k={a.tokens}, {a.max_new_tokens} new tokens")
+    for r in range(a.rounds):
+        order = ["none", "ngram"] if r % 2 == 0 else ["ngram", "none"]
+        for name in sets:
+            for side in order:
+                results = [decode_rate(models[side], q, a.max_new_tokens) for q in ids[name]]
+                rate = statistics.median(x for x, _ in results)
+                rates.setdefault((name, side), []).append(rate)
+                rates.setdefault((name, side, "tokens"), []).append([t for _, t in results])
+            same = rates[(name, "none", "tokens")][-1] == rates[(name, "ngram", "tokens")][-1]
+            print(f"round {r} {name:8s} order {'/'.join(order)}: none {rates[(name, 'none')][-1]:.1f}, ngram "
+                  f"{rates[(name, 'ngram')][-1]:.1f} tokens/s (median of {len(ids[name])} prompts), same tokens: "
+                  f"{same}, load {os.getloadavg()[0]:.2f}", flush=True)
+    for name in sets:
+        none, ngram = statistics.median(rates[(name, "none")]), statistics.median(rates[(name, "ngram")])
+        print(f"{name}: none {none:.1f}, ngram {ngram:.1f} tokens/s, ratio {ngram / none:.2f}x")
+    print(models["ngram"].engine.speculation.summary())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Speculative decoding: several tokens proposed cheaply, then checked by the model in one
+forward, so that a decode step can produce more than one token for one read of the weights
+(batch-1 decode is bound by that read). The engine feeds a sequence's newest token and its k
+proposals as k + 1 one-token rows over the paged cache (block_manager.BlockPool.rows), so row
+i of the logits is, bit for bit, what a decode step gives after the sequence plus the first i
+proposals (engine.Engine._verify).
+
+Proposals come from prompt lookup (`ngram`, as vLLM's `method: "ngram"` and llama.cpp's
+`--spec-type ngram-simple`): the last n tokens of the sequence (n from NGRAM_MAX down to
+NGRAM_MIN) are looked for earlier in its prompt and output, and the tokens that followed
+their latest occurrence are proposed. No second model; it pays off when the output quotes its
+input (editing code, answering from a document, summaries that quote).
+
+Acceptance keeps the output exactly the model's own: each row samples its token as a decode
+step would (argmax, or a draw from the sequence's own generator, after its processors and
+grammar), and the walk goes on while the token equals the proposal. A sampled row thus takes a
+proposal with probability p(proposal), as the rejection rule of Leviathan et al. 2023 / Chen
+et al. 2023 does for a proposal drawn from a point mass, and draws the same random numbers in
+the same order as decoding without speculation: a seeded request gives the same text with it
+or without it, whatever it is batched with. (A draft model's proposals, drawn from its own
+distribution, would need the rule's residual draw instead.)
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+NGRAM_MIN, NGRAM_MAX = 2, 4  # lengths of the suffix looked up, longest first
+# Speculation runs while at most this many sequences decode at once: with more, a step's
+# forward already reads the weights for many tokens (no longer bandwidth-bound) and the
+# proposals' rows would cost more than they save (vLLM turns it off by batch size likewise).
+SPECULATE_UP_TO = 4
+
+
+@dataclass
+class Speculation:
+    """What the engine speculates with (InferConfig checks the values), and what it has done
+    (for /metrics and --verbose)."""
+    method: str = "ngram"
+    tokens: int = 4  # proposals per sequence and step (k)
+    proposed: int = 0  # proposals verified since start
+    accepted: int = 0  # of them, taken as the model's own
+    verify_steps: int = 0  # sequence-steps that verified proposals
+    emitted: int = 0  # tokens those steps produced (accepted + one from the model each)
+
+    def propose(self, context: list[int], room: int) -> list[int]:
+        """Up to min(k, room) tokens that may follow `context`."""
+        return ngram_proposal(context, min(self.tokens, room))
+
+    def count(self, proposed: int, accepted: int, emitted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.verify_steps += 1
+        self.emitted += emitted
+
+    def stats(self) -> dict:
+        return {"speculative_proposed_tokens": self.proposed, "speculative_accepted_tokens": self.accepted,
+                "speculative_verify_steps": self.verify_steps, "speculative_emitted_tokens": self.emitted}
+
+    def summary(self) -> str:
+        """One line for `generate --verbose` and serve's log."""
+        if not self.verify_steps:
+            return f"speculative {self.method}: nothing proposed"
+        rate = self.accepted / max(1, self.proposed)
+        return (f"speculative {self.method}: {self.accepted}/{self.proposed} proposals accepted ({rate:.0%}), "
+                f"{self.emitted / self.verify_steps:.2f} tokens per verifying step")
+
+
+def ngram_proposal(context: list[int], k: int) -> list[int]:
+    """The k tokens (or fewer) that followed the latest earlier occurrence of the context's
+    last n tokens, n from NGRAM_MAX down to NGRAM_MIN; [] when none occurs. Searched as bytes
+    (`bytes.rfind`, in C: a Python loop over a long context would cost a millisecond a step)."""
+    if k < 1 or len(context) <= NGRAM_MIN:
+        return []
+    tokens = array("i", context)
+    data, width = tokens.tobytes(), tokens.itemsize
+    for n in range(min(NGRAM_MAX, len(context) - 1), NGRAM_MIN - 1, -1):
+        suffix = data[-n * width:]
+        end = len(data) - width  # the match must end before the context's last token
+        while True:
+            at = data.rfind(suffix, 0, end)
+            if at < 0 or at % width == 0:
+                break
+            end = at + len(suffix) - 1  # a hit across token boundaries: look further back
+        if at >= 0:
+            follow = at // width + n
+            return context[follow:follow + k]
+    return []
