@@ -191,10 +191,11 @@ def _explain_infer_failure(args, failure, config, min_context: int = 16) -> int:
     changes of flags that fit (no context under `min_context`, which the prompt needs); exit 1."""
     from .diagnose.oom import explain_infer_failure
 
-    serving = args.func is cmd_serve
-    report = explain_infer_failure(failure, args.model, config, max_batch_flag=serving, min_context=min_context)
+    command = {cmd_serve: "serve", cmd_eval: "eval"}.get(args.func, "generate")
+    report = explain_infer_failure(failure, args.model, config, max_batch_flag=command != "generate",
+                                   min_context=min_context)
     hint = "\nhint: add the flags of one line above to the same command" if report["suggestions"] else ""
-    print(f"llmsplit: {'serve' if serving else 'generate'} failed: {report['text']}{hint}", file=sys.stderr)
+    print(f"llmsplit: {command} failed: {report['text']}{hint}", file=sys.stderr)
     return 1
 
 
@@ -345,7 +346,14 @@ def cmd_eval(args) -> int:
     if unknown:
         raise ConfigError(f"--tasks: lm-eval knows no task {unknown[0]!r}; name one of its tasks, or pass "
                           f"--include-path DIR with that task's YAML")
-    m = llmsplit.load(args.model, _infer_config(args, max_batch=args.max_batch))
+    from .diagnose.oom import infer_failure, infer_oom_errors
+
+    config = _infer_config(args, max_batch=args.max_batch)
+    try:
+        m = llmsplit.load(args.model, config)
+    except infer_oom_errors() as e:  # explained in the command line's flags, as generate and serve do
+        failure = infer_failure(e, "loading the model")
+        return _explain_infer_failure(args, failure, config)
     try:
         results = simple_evaluate(model=LlmsplitLM(m), tasks=tasks, limit=args.limit, task_manager=manager,
                                   log_samples=args.output is not None)

@@ -204,9 +204,13 @@ def _check(usage, budgets, cfg: LlamaConfig, s: Sizes, whole: bool = False) -> N
     short = sum(over.values())
     where = ", ".join(f"{d} by {fmt_bytes(n)}" for d, n in over.items())
     what = "the model" if whole else "the device map"
+    # In llmsplit.load's terms: the command line explains this failure with its own flags
+    # (diagnose/oom.explain_infer_failure). Disk offload is suggested only when not in use already.
+    fixes = "raise max_memory, or lower max_batch or max_context" + (
+        "" if "disk" in budgets else ", or pass offload_dir (a folder for what fits in no budget)")
     raise PlacementError(f"{what} needs {short} bytes ({fmt_bytes(short)}) more than the memory budgets allow "
                          f"({where}; counting weights, the KV cache for {s.batch} x {s.context} tokens, workspace "
-                         f"and reserve): raise --max-memory, lower the batch or context, or pass --offload-dir")
+                         f"and reserve): {fixes}")
 
 
 def _fill(cfg, all_units, order, budgets, exec_device, s: Sizes, scale: float = 1.0) -> dict[str, str] | None:
