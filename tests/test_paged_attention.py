@@ -149,3 +149,22 @@ def test_prefill_kernel_matches_gathered_attention(kv_dtype, head_dim, heads, kv
         want = cache.attend(0, q, k, v, attn._attend, rule)
     assert got.shape == (1, n, heads * head_dim)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_kernel_cache_key_holds_the_compilers_version(tmp_path, monkeypatch):
+    """A compiler upgraded in place (same path) builds anew: its --version line is in the key."""
+    from llmsplit import native
+
+    fake = tmp_path / "c++"  # says its version; "builds" by writing an empty file where -o says
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "c++ (Fake) $FAKE_VERSION"; exit 0; fi\n'
+                    'while [ "$1" != -o ]; do shift; done; : > "$2"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "cache")
+    built = []
+    for version in ("14.2.0", "15.1.0", "14.2.0"):
+        monkeypatch.setenv("FAKE_VERSION", version)
+        native._compiler_version.cache_clear()
+        built.append(native._compile(paged_attention.SOURCE, "fallback").name)
+    native._compiler_version.cache_clear()
+    assert built[0] != built[1] and built[0] == built[2], built

@@ -6,8 +6,8 @@ the job is a short C++ source file next to its Python module that registers an o
 kernel (TORCH_LIBRARY_IMPL), built for this CPU (-march=native) against torch's own headers
 (`c++`, or `$CXX`; ~5 s, including only torch/library.h and ATen's core, not the whole
 extension API) and the OpenMP runtime torch loaded (so its threads are torch's own pool), into
-a cache folder keyed by the source and the local headers it includes, the compiler and its
-flags, the CPU and torch's version: once a machine. `torch_ops` loads it into torch's
+a cache folder keyed by the source and the local headers it includes, the compiler (path and
+version) and its flags, the CPU and torch's version: once a machine. `torch_ops` loads it into torch's
 dispatcher, so eager code and compiled graphs call the same kernel, without a trip through
 Python (a ctypes library, as the paged kernel was first, cannot be called from a graph).
 Where a kernel cannot be built (no compiler, a torch without libgomp or headers, an
@@ -68,6 +68,17 @@ def _text(source: Path) -> bytes:
     return b"\0".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """The first line of `compiler --version` (e.g. "c++ (Debian 14.2.0-19) 14.2.0"); "" if it
+    will not say (then the build that follows reports why it fails, if it does)."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (out.stdout.splitlines() or [""])[0]
+
+
 def _compile(source: Path, fallback: str) -> Path | None:
     """The built shared library of `source`, from the cache or compiled now; None if it cannot be."""
     compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("c++", "g++"))), None)
@@ -80,9 +91,10 @@ def _compile(source: Path, fallback: str) -> Path | None:
         return None
     text = _text(source)
     flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", *_torch_flags()]
-    # torch's version too: a C++ kernel built against one torch's headers must not load into another.
-    key = hashlib.sha256(b"\0".join([text, " ".join([compiler, *flags, torch.__version__]).encode(),
-                                     _cpu_flags().encode()]))
+    # torch's version too: a C++ kernel built against one torch's headers must not load into another;
+    # and the compiler's own (its path stays the same when the system upgrades it).
+    key = hashlib.sha256(b"\0".join([text, " ".join([compiler, _compiler_version(compiler), *flags,
+                                                     torch.__version__]).encode(), _cpu_flags().encode()]))
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
