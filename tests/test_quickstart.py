@@ -47,5 +47,5 @@ def test_each_quickstart_line_sets_up_the_same_venv_on_its_own():
     setup = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
     assert all(line.startswith(setup) for line in lines), lines
     assert lines[0].endswith('llmsplit generate --model runs/quickstart "The def statement"')
-    assert lines[1].endswith("python -m pytest -q")
+    assert lines[1].endswith("python -m pytest -q -rs")  # skips listed with their reasons
     assert "README.md" in (root / ".ci" / "run").read_text()
