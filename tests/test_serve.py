@@ -687,6 +687,7 @@ def test_ollama_client_lists_shows_and_answers_as_llmsplit_generate_does(server,
     assert whole.response + "\n" == want and whole.done and whole.done_reason in ("stop", "length")
     assert whole.prompt_eval_count == len(folder_tokens(folder, PROMPT)) and whole.eval_count <= 12
     assert whole.total_duration >= whole.prompt_eval_duration + whole.eval_duration and whole.load_duration == 0
+    assert whole.prompt_eval_duration > 0 and (whole.eval_duration > 0 or whole.eval_count <= 1)  # the engine's times
     parts = list(c.generate(model="llama", prompt=PROMPT, raw=True, options=options, stream=True))
     assert "".join(p.response for p in parts) == whole.response
     assert parts[-1].done and not any(p.done for p in parts[:-1])

@@ -171,6 +171,8 @@ class Engine:
         now = time.monotonic()
         if self.on_latency is not None:
             self.on_latency(seq.first_token, now - seq.last_token_at)
+        if seq.first_token:
+            seq.first_token_at = now
         seq.first_token, seq.last_token_at = False, now
         if seq.matcher is not None:
             seq.matcher.accept_token(nxt)  # the token came from its mask, so the grammar takes it

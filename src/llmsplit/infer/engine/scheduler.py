@@ -12,6 +12,7 @@ the runner, `settle()` says which rows are sampled.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -193,6 +194,7 @@ class Scheduler:
                 break  # one of n samples: its prompt's blocks come from the first's, filled in a step or two
             self.waiting.popleft()
             self.running.append(seq)
+            seq.admitted_at = seq.admitted_at or time.monotonic()
             # A preempted sequence recomputes its prompt and every token it generated but the
             # newest, which the next decode step feeds as usual.
             seq.filling = seq.prompt + seq.tokens[:-1]

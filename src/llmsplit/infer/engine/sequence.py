@@ -91,6 +91,8 @@ class Sequence:
     detok: object = None  # the tokenizer's incremental decoder (`stream()`): text one token at a time
     last_token_at: float = field(default_factory=time.monotonic)  # creation, then each token's time
     first_token: bool = True
+    admitted_at: float | None = None  # when it first joined the running batch (its prompt's work began)
+    first_token_at: float | None = None  # when its first token was sampled
     preemptions: int = 0  # times its blocks were taken back (it was then recomputed)
     filling: list[int] | None = None  # the context its cache is being filled with (None: filled)
     filled: int = 0  # tokens of `filling` in the cache so far

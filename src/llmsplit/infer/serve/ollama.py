@@ -47,7 +47,7 @@ class Answer:
 
     def __init__(self, model: str, chat: bool, started: float):
         self.model, self.chat, self.started = model, chat, started
-        self.submitted = self.first_text = None  # when the engine got it; when its first text came back
+        self.submitted = None  # when the engine got it
 
     def _object(self, text: str, done: bool) -> dict:
         out = {"model": self.model, "created_at": _now()}
@@ -56,19 +56,19 @@ class Answer:
         return out
 
     def piece(self, text: str) -> dict:
-        if self.first_text is None:
-            self.first_text = time.monotonic()
         return self._object(text, False)
 
     def last(self, seq, text: str = "") -> dict:
-        """The end of an answer, with its whole `text` unless it was streamed. Times are the
-        request's own, seen from the server: queueing and batching are part of them."""
+        """The end of an answer, with its whole `text` unless it was streamed. The prompt's time
+        runs from when the engine admitted the sequence to its first token (the time it waited in
+        the queue is in total_duration only), the answer's from its first token to its last."""
         end = time.monotonic()
-        first = self.first_text or end
+        first = seq.first_token_at or end
         return {**self._object(text, True), "done_reason": seq.finish_reason,
                 "total_duration": _ns(end - self.started), "load_duration": 0,  # loaded before the server started
-                "prompt_eval_count": len(seq.prompt), "prompt_eval_duration": _ns(first - self.submitted),
-                "eval_count": len(seq.tokens), "eval_duration": _ns(end - first)}
+                "prompt_eval_count": len(seq.prompt),
+                "prompt_eval_duration": _ns(first - (seq.admitted_at or self.submitted)),
+                "eval_count": len(seq.tokens), "eval_duration": _ns(seq.last_token_at - first)}
 
     def loaded(self) -> dict:
         """Ollama's answer to a request with nothing to generate, which clients send to load a model."""
@@ -195,12 +195,11 @@ class OllamaRoutes:
         if body.format:  # Ollama's "json" is any JSON object, as its own grammar has it
             params.grammar = await self._grammar(None, {"type": "object"} if body.format == "json" else body.format)
         channel = Channel(asyncio.get_running_loop())
-        # Streamed to the engine either way: the first piece of text times the prompt's evaluation.
-        work = self.scheduler.submit([ids], params, channel.put, stream=True, adapter=adapter)
+        work = self.scheduler.submit([ids], params, channel.put, stream=body.stream, adapter=adapter)
         answer.submitted = time.monotonic()
         if body.stream:
             return StreamingResponse(self._ollama_lines(work, channel, answer), media_type=NDJSON)
-        done = await channel.finished(request.receive, 1, lambda: self.scheduler.abort(work), answer.piece)
+        done = await channel.finished(request.receive, 1, lambda: self.scheduler.abort(work))
         return None if done is None else answer.last(done[0], done[0].text)  # None: the client left
 
     async def _ollama_lines(self, work: Work, channel: Channel, answer: Answer):
