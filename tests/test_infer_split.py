@@ -90,6 +90,21 @@ def test_a_narrow_kv_cache(folder, reference, kv_dtype):
         llmsplit.load(folder, kv_dtype="int4")
 
 
+def test_embeddings_are_transformers_last_hidden_state_pooled(folder):
+    """`embed`: the final hidden states (after the last norm) at the last token or averaged,
+    normalized: transformers' last_hidden_state, pooled the same way."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    m = llmsplit.load(folder, device_map="cpu", pooling="mean")
+    with torch.no_grad():
+        states = [hf.model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+    for pooling, pool in (("last", lambda h: h[-1]), (None, lambda h: h.mean(0))):  # None: the load's (mean)
+        want = torch.stack([torch.nn.functional.normalize(pool(h), dim=0) for h in states])
+        torch.testing.assert_close(m.embed(PROMPTS, pooling), want, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="--pooling 'max' is not one of: last, mean"):
+        llmsplit.load(folder, pooling="max")
+
+
 def test_cpu_plus_disk_under_a_small_budget(folder, reference, tmp_path):
     m = llmsplit.load(folder, max_memory={"cpu": "900KiB"}, offload_dir=tmp_path / "off", max_context=64)
     where = list(m.device_map.values())
@@ -115,6 +130,8 @@ def test_worker_processes(folder, reference, layout):
             "The def statement", max_new_tokens=6)
         if "speculative" in layout:
             assert m.engine.speculation.accepted > 0
+        with pytest.raises(ConfigError, match="embeddings need the model in one process"):
+            m.embed([PROMPTS[0]])
     finally:
         m.close()
 

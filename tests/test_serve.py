@@ -23,6 +23,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+import llmsplit  # noqa: E402
+import torch  # noqa: E402
 from hf_models import make_hf_folder  # noqa: E402
 from helpers import run_cli  # noqa: E402
 from netns import hosts  # noqa: E402
@@ -335,7 +337,10 @@ def chat_body(content="Hi", **fields):
     ("too many tools", dict(json=chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 101), path=CHAT,
                             param="tools"), 400),
     ("template with a C-level power", dict(json=chat_body("power"), path=CHAT, param="messages"), 400),
-    ("unknown route", dict(json={}, path="/v1/embeddings"), 404),
+    ("unknown route", dict(json={}, path="/v1/audio/speech"), 404),
+    ("embeddings of nothing", dict(json={"input": []}, path="/v1/embeddings", param="input"), 400),
+    ("embeddings with a token id past the vocabulary", dict(json={"input": [10**9]}, path="/v1/embeddings",
+                                                             param="input"), 400),
     # Fields that would change the answer and are not implemented: refused, never ignored.
     *[(f"unsupported {field}", dict(json={"prompt": "x", field: value}, param=field), 400) for field, value in [
         ("suffix", "!")]],
@@ -702,6 +707,31 @@ def test_ollama_client_lists_shows_and_answers_as_llmsplit_generate_does(server,
     # The OpenAI route renders the same template: the same greedy answer.
     same = client(server).chat.completions.create(model="llama", messages=messages, max_tokens=10, temperature=0)
     assert same.choices[0].message.content == chat.message.content
+
+
+def test_embeddings_from_openai_and_ollama_clients_are_the_models_pooled_hidden_states(server, folder):
+    """/v1/embeddings (float and base64, text and token ids) and Ollama's /api/embed and
+    /api/embeddings: the last token's final hidden state, normalized, as `LoadedModel.embed`
+    gives it (which equals transformers' last_hidden_state: tests/test_infer_split.py)."""
+    ollama, oc = ollama_client(server)
+    texts = ["The def statement", "A function in Python"]
+    ids = [folder_tokens(folder, t) for t in texts]
+    want = llmsplit.load(folder, max_context=64).embed(ids)
+    c = client(server)
+    for fmt in ("float", openai.NOT_GIVEN):  # not given: the client asks for base64 and decodes it itself
+        r = c.embeddings.create(model="llama", input=texts, encoding_format=fmt)
+        got = torch.tensor([d.embedding for d in r.data])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = c.embeddings.create(model="llama", input=ids[1])
+    torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), want[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(oc.embed(model="llama", input=texts).embeddings), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(oc.embeddings(model="llama", prompt=texts[0]).embedding), want[0],
+                               atol=1e-6, rtol=0)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        c.embeddings.create(model="llama", input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="has 2000 tokens; the context holds"):
+        c.embeddings.create(model="llama", input=[5] * 2000)
 
 
 def test_ollama_options_format_and_refusals(server):

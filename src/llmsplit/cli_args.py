@@ -210,6 +210,9 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-request-items", type=COUNT, default=10_000, metavar="N",
                    help="messages, content parts and tools one request may hold, each counted before the body is "
                         "parsed (default %(default)s)")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="what /v1/embeddings and Ollama's "
+                   "/api/embed return: the final hidden state of the last token, or the mean over the text, "
+                   "normalized (default %(default)s)")
     _add_template_args(p)
     add_placement_args(p, context_default="the model's, at most 4096")
     _add_node_args(p, node0="; node 0 serves HTTP, the others run their share of the --tp/--pp workers")

@@ -9,14 +9,13 @@ model only through `load` and `follow`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 
 import torch
 
 from ..errors import ConfigError
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..parallel.mesh import ParallelDims
-from .config import InferConfig
+from .config import POOLING, InferConfig
 from .engine import Engine, SamplingParams
 from .engine.speculative import Speculation
 from .runner.kv_cache import kv_element_bytes
@@ -32,8 +31,9 @@ class LoadedModel:
     """What `llmsplit.load` returns: `generate`, `logits`, `tokenizer`, `device_map`."""
 
     def __init__(self, engine: Engine, runner, placement: Placement | None, device_map: dict[str, str], config,
-                 adapters: list[str] = ()):
+                 adapters: list[str] = (), pooling: str = "last"):
         self.engine = engine
+        self.pooling = pooling  # what `embed` does by default (InferConfig.pooling)
         self.adapters = list(adapters)  # the LoRA adapters served over the model: adapter k is adapters[k - 1]
         self.runner = runner
         self.placement = placement
@@ -46,6 +46,23 @@ class LoadedModel:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-sequence forward, no cache: [b, s] -> [b, s, vocab] (float32, on the CPU)."""
         return self.runner.forward(torch.as_tensor(input_ids), None, last_only=False).float().cpu()
+
+    @torch.no_grad()
+    def embed(self, prompts: list[list[int]], pooling: str | None = None) -> torch.Tensor:
+        """One vector per prompt, [n, dim] float32 of unit length: the final hidden states (after
+        the last norm) at the last token, or ("mean") their mean over the prompt, as decoder
+        embeddings are pooled (llama.cpp's --pooling last|mean, vLLM's LAST/MEAN); default: the
+        load's `pooling`."""
+        pooling = pooling or self.pooling
+        if pooling not in POOLING:
+            raise ConfigError(f"pooling {pooling!r} is not one of: {', '.join(POOLING)}")
+        if not hasattr(self.runner, "hidden"):
+            raise ConfigError("embeddings need the model in one process; load it without --tp/--pp")
+        vectors = []
+        for ids in prompts:  # one at a time: no padding to mask, and a batch of long inputs never piles up
+            h = self.runner.hidden(torch.tensor([ids]))[0].float()
+            vectors.append(torch.nn.functional.normalize(h[-1] if pooling == "last" else h.mean(0), dim=0).cpu())
+        return torch.stack(vectors)
 
     def generate(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None, ignore_eos: bool = False,
@@ -165,7 +182,8 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
                     one_decode_batch=config.compile or runner.decodes_in_place, speculation=_speculation(config))
     if config.compile:
         _compile_decode_graphs(engine, config.max_batch)
-    return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters])
+    return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters],
+                       pooling=config.pooling)
 
 
 def follow(path, config: InferConfig | None = None, *, announce=None, **fields) -> None:

@@ -15,7 +15,8 @@ from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own pac
 
 KV_DTYPES = ("int8", "bfloat16")
 SPECULATIVE = ("ngram",)  # --speculative: the proposers engine/speculative.py has
-MAX_SPECULATIVE_TOKENS = 16  # --speculative-tokens: proposals a step may verify per sequence  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
+MAX_SPECULATIVE_TOKENS = 16  # --speculative-tokens: proposals a step may verify per sequence
+POOLING = ("last", "mean")  # --pooling: how an embedding pools a text's final hidden states  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class InferConfig:
     count as it decodes. lora: {name: LoRA run or PEFT folder} served over the model.
     n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory.
     speculative: "ngram" proposes speculative_tokens tokens a step by prompt lookup, verified
-    in one forward (engine/speculative.py; greedy output unchanged); None: off."""
+    in one forward (engine/speculative.py; greedy output unchanged); None: off. pooling: "last"
+    or "mean", how embeddings (`LoadedModel.embed`) pool the final hidden states."""
     device_map: str | dict = "auto"
     max_memory: str | dict | None = None
     offload_dir: str | None = None
@@ -59,6 +61,7 @@ class InferConfig:
     n_cpu_moe: int = 0
     speculative: str | None = None
     speculative_tokens: int = 4
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -106,6 +109,8 @@ class InferConfig:
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise ConfigError(f"--speculative {self.speculative!r} is not a method llmsplit has; use one of: "
                               f"{', '.join(SPECULATIVE)} (a draft model is not supported yet)")
+        if self.pooling not in POOLING:
+            raise ConfigError(f"--pooling {self.pooling!r} is not one of: {', '.join(POOLING)}")
         if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"--speculative-tokens {self.speculative_tokens} must be in [1, "
                               f"{MAX_SPECULATIVE_TOKENS}]: the tokens proposed a step")

@@ -294,6 +294,20 @@ class Runner:
                     lambda m, args, d=dev: (args[0].to(d), *args[1:]))
 
     @torch.no_grad()
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [b, s, dim] of a full forward without cache (what embeddings
+        pool): the last layer's output, read by a hook, through the final norm. The head runs for
+        the last position only: its logits are not wanted."""
+        last = self.model.layers[max(self.model.layers, key=int)]
+        seen = []
+        handle = last.register_forward_hook(lambda module, args, out: seen.append(out))
+        try:
+            self.forward(tokens, None, last_only=True)
+        finally:
+            handle.remove()
+        return self.model.norm(seen[0]) if self.model.norm is not None else seen[0]
+
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, step: Step | None, last_only: bool,
                 adapters: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [b, s] (or hidden states [b, s, dim] for a later pipeline stage) through this

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..engine import Engine, SamplingParams, Sequence
@@ -59,6 +60,7 @@ class EngineThread:
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
+        self._calls: list[tuple[Callable, Future]] = []  # work for the model between steps (embeddings)
         self._stopping = False  # every request left is failed, then the thread ends
         self._draining = False
         self._in_flight = 0  # sequences accepted and not yet finished, cancelled or failed
@@ -98,6 +100,17 @@ class EngineThread:
             self._inbox.append(req)
             self._cond.notify()
         return req
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the engine thread between two steps (the only thread that uses the model),
+        e.g. an embedding's forward; its result or exception comes back through the Future."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping or self._draining:
+                raise ShuttingDown(SHUTTING_DOWN)
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
 
     def abort(self, req: Request) -> None:
         """Withdraw a request (its client went away); its blocks are freed before the next step."""
@@ -151,11 +164,20 @@ class EngineThread:
         engine = self._engine
         while True:
             with self._cond:
-                while not (self._inbox or self._cancelled or self._stopping or engine.busy):
+                while not (self._inbox or self._cancelled or self._calls or self._stopping or engine.busy):
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 cancelled, self._cancelled = self._cancelled, []
+                calls, self._calls = self._calls, []
                 stopping = self._stopping
+            for fn, future in calls:
+                if stopping:
+                    future.set_exception(ShuttingDown(SHUTTING_DOWN))
+                elif future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # the caller's to report (a bad input, out of memory)
+                        future.set_exception(e)
             for req in inbox:
                 for i, seq in enumerate(req.seqs):
                     self._owner[seq.id] = (req, i)

@@ -8,8 +8,8 @@ one does: its body counted and parsed (request_body.py), its messages through th
 chat template under the same limits, `format` through the same grammars, its sequence to the
 same engine thread and batched with the OpenAI requests. Only the shapes differ: Ollama's
 request fields (ollama_protocol.py), its replies with their figures (`Answer`), and its errors,
-`{"error": "..."}` (edge.error_body). Model management (pull, create, ...) and embeddings are
-501s: this server serves the models it was started with, and computes no embeddings yet.
+`{"error": "..."}` (edge.error_body). Model management (pull, create, ...) is a 501: this
+server serves the models it was started with. /api/embed and /api/embeddings: embeddings.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API this mirrors (clients 
 LATEST = ":latest"  # Ollama's default tag: "llama" and "llama:latest" are one model
 NOT_HERE = {  # Ollama's routes this server answers with a 501 that says why
     "/api/pull": ["POST"], "/api/push": ["POST"], "/api/create": ["POST"], "/api/copy": ["POST"],
-    "/api/delete": ["DELETE"], "/api/blobs/{digest}": ["HEAD", "POST"], "/api/embed": ["POST"],
-    "/api/embeddings": ["POST"],
+    "/api/delete": ["DELETE"], "/api/blobs/{digest}": ["HEAD", "POST"],
 }
 NDJSON = "application/x-ndjson"
 
@@ -118,8 +117,6 @@ class OllamaRoutes:
 
     async def ollama_not_here(self, request: Request):
         what = request.url.path
-        if what.startswith("/api/embed"):
-            raise APIError(501, f"{what} is not supported by this server yet: it computes no embeddings")
         raise APIError(501, f"{what} is not supported: this server serves the models it was started with "
                             f"({', '.join(self.models)}; --model and --lora)")
 

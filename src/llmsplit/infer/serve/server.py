@@ -42,6 +42,7 @@ from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .ollama import OllamaRoutes
+from .embeddings import EmbeddingRoutes
 from .responses import ResponsesRoutes
 from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .request_body import parse_body, validation_error
@@ -56,7 +57,7 @@ HEALTH_COUNTS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
 DELIVERY_GRACE_S = 5.0
 
 
-class Server(OllamaRoutes, ResponsesRoutes):
+class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
     """The app's state and routes over one loaded model (`path`: its files, which /api/tags describes)."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
@@ -107,6 +108,7 @@ class Server(OllamaRoutes, ResponsesRoutes):
         app.post("/v1/chat/completions")(self.chat)
         self.add_ollama_routes(app)
         self.add_responses_routes(app)
+        self.add_embedding_routes(app)
         add_chat_page(app)
         for kind, convert in _ERRORS.items():
             app.exception_handler(kind)(_handler(convert))
