@@ -756,8 +756,8 @@ def test_ollama_options_format_and_refusals(server):
     with pytest.raises(ollama.ResponseError, match="'nope' does not exist") as caught:
         c.chat(model="nope", messages=[{"role": "user", "content": "x"}])
     assert caught.value.status_code == 404
-    with pytest.raises(ollama.ResponseError, match="embeddings") as caught:
-        c.embed(model="llama", input="x")
+    with pytest.raises(ollama.ResponseError, match="serves the models it was started with") as caught:
+        c.pull(model="llama3")
     assert caught.value.status_code == 501
     # Ignored: where the model runs and how long it stays loaded (the server decided those).
     kept = c.generate(model="llama", prompt="x", keep_alive="5m", options={"num_thread": 8, "num_predict": 2})
