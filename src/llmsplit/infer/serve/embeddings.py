@@ -114,7 +114,8 @@ class EmbeddingRoutes:
         for i, one in enumerate(ids):
             if not one:
                 raise APIError(400, f"{param}[{i}] is empty", param)
-            if any(not 0 <= t < self.model.config.vocab_size for t in one):
+            # Ids sent as ids are checked; the tokenizer's own are in the vocabulary by construction.
+            if not isinstance(inputs[i], str) and any(not 0 <= t < self.model.config.vocab_size for t in one):
                 raise APIError(400, f"{param}[{i}] holds a token id outside the vocabulary", param)
             if len(one) > context and not truncate:
                 raise APIError(400, f"{param}[{i}] has {len(one)} tokens; the context holds {context}", param,
