@@ -53,7 +53,7 @@ def padded_rows(docs, ids):
 
 def run(model, batches) -> float:
     """Tokens with loss per second over the timed steps."""
-    from llmsplit.train.trainer import token_loss
+    from llmsplit.train.objectives import token_loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, loss_tokens = [], 0

@@ -23,7 +23,8 @@ from llmsplit.data.loader import BatchSampler
 from llmsplit.io.tokenizer import load_tokenizer
 from llmsplit.models import Transformer
 from llmsplit.train.metrics import peak_memory_bytes, reset_peak_memory
-from llmsplit.train.trainer import lr_at, token_loss
+from llmsplit.train.objectives import token_loss
+from llmsplit.train.trainer import lr_at
 
 
 def parse_args(extra=None) -> argparse.Namespace:

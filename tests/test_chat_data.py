@@ -152,7 +152,7 @@ def test_prepare_writes_tokens_mask_and_documents(tmp_path):
 
 def test_packed_rows_compute_what_the_documents_compute_alone():
     from llmsplit.models.llama import LlamaConfig, Transformer
-    from llmsplit.train.trainer import token_loss
+    from llmsplit.train.objectives import token_loss
 
     g = torch.Generator().manual_seed(0)
     lengths = [9, 30, 4, 17, 40, 12, 25, 3]

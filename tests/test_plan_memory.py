@@ -208,7 +208,7 @@ def test_pipeline_in_flight_microbatches():
 def test_loss_peak_is_what_the_trainers_loss_allocates(precision):
     """The trainer's own loss, forward and backward, on logits of one micro-batch: the
     highest sum of live tensors it creates, plus the logits it is given."""
-    from llmsplit.train.trainer import token_loss
+    from llmsplit.train.objectives import token_loss
 
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, vocab_size=1000, ffn_dim=128, max_seq_len=64)
     b, s = 2, 64

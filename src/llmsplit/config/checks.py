@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..layout import PRECISIONS, SPLIT_BACKWARD_SCHEDULES, Layout, Workload, check, resolve_dp
 from .data import check_data
 from .lora import check_lora, check_lora_base
+from .objective import check_objective
 from .sections import Config
 
 # The [parallel] and [memory] choices are layout.check's.
@@ -67,10 +68,15 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
+    check_objective(cfg)
     check_data(cfg.data, t.eval_every)
     if t.eval_every and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"train.eval_every with parallel.pp_schedule={cfg.parallel.pp_schedule!r}: torch cannot run "
                           f"that schedule forward-only; evaluate with \"1f1b\", \"gpipe\" or \"interleaved_1f1b\"")
+    if t.objective == "dpo" and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(f"train.objective=\"dpo\" with parallel.pp_schedule={cfg.parallel.pp_schedule!r}: the reference "
+                          f"log-probs need a forward-only pass, which torch cannot run with that schedule; use "
+                          f"\"1f1b\", \"gpipe\" or \"interleaved_1f1b\"")
     check_lora(cfg.lora)
     resolve_world(cfg, world_size)
     check(model_cfg, layout_of(cfg, world_size), workload_of(cfg), world_size)

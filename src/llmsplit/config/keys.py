@@ -16,6 +16,7 @@ from ..models.weight_shapes import VALUE_CHOICES
 from .checks import CHOICES
 from .data import FORMATS, LOSS_ON
 from .lora import BASES, TARGET_NAMES
+from .objective import DPO_LOSSES, OBJECTIVES
 from .sections import FINETUNE_DEFAULTS, LORA_LR, Config
 
 DOCS = {
@@ -60,9 +61,10 @@ DOCS = {
     "data.loss_on": "the tokens that carry loss: the assistant's turns, or all",
     "data.eval_source": "held-out data, in the same form as data.source",
     "data.eval_fraction": "this share of the source's documents (the last ones) held out instead",
+    "train.objective": "what training minimises: next-token loss (sft) or the DPO loss on preference pairs (dpo)",
     "train.steps": "optimizer steps",
-    "train.global_batch": "sequences per optimizer step, over all data-parallel ranks",
-    "train.micro_batch": "sequences a rank computes at a time (gradients accumulate over the rest)",
+    "train.global_batch": "sequences per optimizer step, over all data-parallel ranks (dpo: preference pairs)",
+    "train.micro_batch": "sequences a rank computes at a time, gradients accumulate over the rest (dpo: pairs)",
     "train.lr": "peak learning rate, reached after train.warmup_steps",
     "train.min_lr_ratio": "the schedule ends at train.lr times this",
     "train.warmup_steps": "steps of linear warmup from 0 to train.lr",
@@ -103,6 +105,9 @@ DOCS = {
     "lora.dropout": "dropout on the adapters' input",
     "lora.targets": "the projections of each layer that get adapters",
     "lora.base": "the frozen base stored as 4-bit NF4 or int8 (QLoRA)",
+    "dpo.beta": "how far the policy may move from the reference: the loss's inverse temperature",
+    "dpo.loss": "sigmoid (DPO) or ipo (IPO, on the replies' mean token log-probs)",
+    "dpo.label_smoothing": "the assumed chance that a pair's preference is wrong (conservative DPO; sigmoid only)",
     "lora.init": "a PEFT adapter folder, or a LoRA run or checkpoint, to start the adapters from",
 }
 
@@ -114,6 +119,7 @@ def allowed_values() -> dict[str, str]:
     """The fixed values of each key that has them, as `--help-config` says them."""
     one_of = {**CHOICES, "parallel.pp_schedule": SCHEDULES, "memory.activation_checkpoint": CHECKPOINTING,
               "memory.offload": OFFLOADS, "data.format": FORMATS, "data.loss_on": LOSS_ON, "lora.base": BASES,
+              "train.objective": OBJECTIVES, "dpo.loss": DPO_LOSSES,
               "parallel.zero": ("0", "1", "2", "3"), "model.preset": tuple(PRESETS),
               **{f"model.{name}": values for name, values in VALUE_CHOICES.items()}}
     said = {key: f"one of {', '.join(values)}" for key, values in one_of.items()}
@@ -128,6 +134,7 @@ def context_defaults() -> dict[str, str]:
         "train.lr": f"from scratch, {FINETUNE_DEFAULTS['train.lr']:g} {weights}, {LORA_LR:g} {lora}",
         **{key: f"from scratch, {value}" for key, value in tuned.items()},
         "data.tokenizer": f"({weights}: the model's)",
+        "data.format": "(chat with train.objective dpo)",
         "data.loss_on": "(assistant with data.format chat, else all)",
         "parallel.sequence_parallel": "(true when tp > 1)",
         "parallel.pp_microbatches": "(global_batch / (dp x micro_batch))",

@@ -15,10 +15,13 @@ from .chat import Documents, encode_chat_files
 from .corpus import check_tokenizer, expand_glob, load_tokens
 from .loader import BatchSampler
 from .packing import PackedSampler
+from .preference import PreferencePairs, PreferenceSampler, check_preference_files, read_preference_files
 
 
-def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer):
+def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, objective: str = "sft"):
     """(training sampler, evaluation sampler or None)."""
+    if objective == "dpo":
+        return _preference_samplers(data, global_batch, seed, tokenizer)
     if data.format == "chat":
         docs = load_chat_documents(data.source, data.loss_on, tokenizer)
         held = load_chat_documents(data.eval_source, data.loss_on, tokenizer, "data.eval_source") \
@@ -35,6 +38,39 @@ def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer):
             docs, held = docs[:cut], docs[cut:]
         make = lambda d: BatchSampler(d, data.seq_len, global_batch, seed)
     return make(docs), (make(held) if held is not None else None)
+
+
+def _preference_samplers(data: DataSection, global_batch: int, seed: int, tokenizer):
+    """DPO's pairs (data/preference.py); held out like conversations, the last pairs."""
+    pairs = read_preference_files(jsonl_files(data.source, "data.source"), tokenizer)
+    held = read_preference_files(jsonl_files(data.eval_source, "data.eval_source"), tokenizer, "data.eval_source") \
+        if data.eval_source else None
+    if data.eval_fraction > 0:
+        n = len(pairs)
+        cut = n - max(1, math.ceil(n * data.eval_fraction))
+        if cut < 1:
+            raise ConfigError(f"data.eval_fraction={data.eval_fraction} holds out all {n} pairs; lower it or add data")
+        held = PreferencePairs(pairs.chosen[cut:], pairs.rejected[cut:])
+        pairs = PreferencePairs(pairs.chosen[:cut], pairs.rejected[:cut])
+    pad = tokenizer.eos_id or 0
+    make = lambda p: PreferenceSampler(p, data.seq_len, global_batch, seed, pad)
+    return make(pairs), (make(held) if held is not None else None)
+
+
+def check_preference_source(data: DataSection) -> None:
+    """The preference rows' shape, checked by the launcher before any worker starts."""
+    check_preference_files(jsonl_files(data.source, "data.source"))
+    if data.eval_source:
+        check_preference_files(jsonl_files(data.eval_source, "data.eval_source"), "data.eval_source")
+
+
+def jsonl_files(source: str, key: str) -> list[Path]:
+    if source.startswith("text:"):
+        return expand_glob(source[len("text:"):], key)
+    if not source.endswith(".jsonl"):
+        raise ConfigError(f"{key}={source!r} is not a .jsonl file; train.objective=\"dpo\" reads JSONL rows of "
+                          f"\"prompt\", \"chosen\" and \"rejected\"")
+    return [Path(source)]
 
 
 def load_chat_documents(source: str, loss_on: str, tokenizer, key: str = "data.source") -> Documents:

@@ -189,9 +189,14 @@ class ParallelModel:
             torch._foreach_zero_(kept)
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
-        """The mean loss over the global batch from this rank's share: the pipeline's last
-        stage holds it, then the data-parallel ranks average theirs (a collective)."""
+        """The mean loss over the global batch from this rank's share (a collective)."""
+        return self.global_sum(loss_sum).item() / self.mesh.size("dp")
+
+    def global_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed in place over what the loss sees apart: the pipeline's stages (only the
+        last computes a loss) and the data-parallel ranks (tensor-parallel ranks hold the same
+        value). A collective."""
         if self.pipeline is not None:
-            dist.all_reduce(loss_sum, group=self.mesh.group("pp"))
-        dist.all_reduce(loss_sum, group=self.mesh.group("dp"))
-        return loss_sum.item() / self.mesh.size("dp")
+            dist.all_reduce(t, group=self.mesh.group("pp"))
+        dist.all_reduce(t, group=self.mesh.group("dp"))
+        return t

@@ -90,6 +90,7 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
                 workers: Workers, resume_changed: bool = False, overwrite: bool = False) -> TrainJob:
     """The config loaded and the model sized; `check_job` follows once the layout is final."""
     from ..data.corpus import check_source
+    from ..data.datasets import check_preference_source
     from ..io.run_dir import CONFIG_FILE, absolute_paths
     from ..io.tokenizer import load_tokenizer
     from .finetune import apply_finetune_defaults
@@ -121,6 +122,8 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = tokenizer.vocab_size
     check_source(cfg.data.source, tokenizer)  # a token file made with another tokenizer: refused here, exit 2
+    if cfg.train.objective == "dpo":
+        check_preference_source(cfg.data)
     return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
                     torchrun, resume_changed, overwrite=overwrite)
 

@@ -6,35 +6,46 @@ loss and of padding, for the summary."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..parallel.parallel_model import full_tensor
 
 
 def evaluate(trainer) -> dict:
-    """{"eval_loss", "eval_ppl"} over every held-out row (a collective: every rank calls it)."""
-    pm, sampler = trainer.pm, trainer.eval_sampler
+    """The objective's evaluation record ({"eval_loss", "eval_ppl"} for next-token loss) over
+    every held-out row (a collective: every rank calls it)."""
+    pm = trainer.pm
     total, count = 0.0, 0
-    kept = trainer.denominator
-    with torch.no_grad():
-        for batch, loss_tokens in sampler.eval_batches(trainer.dp_rank, trainer.dp_size):
-            batch = batch.to(trainer.device)
-            trainer.use_denominator(loss_tokens)
-            if pm.pipeline is not None:
-                loss_sum = pm.pipeline_step(batch.inputs, batch.targets, batch.positions, forward_only=True)
-            else:
-                loss_sum = torch.zeros((), device=trainer.device)
-                for i in range(0, len(batch), trainer.micro_batch):
-                    mb = batch[i:i + trainer.micro_batch]
-                    with pm.loss_context(), pm.forward_context():
-                        loss_sum += full_tensor(trainer.loss(trainer.forward(mb), mb.targets).detach())
+    with trainer.objective.evaluating():
+        for loss_sum, loss_tokens in forward_passes(trainer, trainer.eval_sampler):
             total += pm.global_loss(loss_sum) * loss_tokens
             count += loss_tokens
-    trainer.denominator = kept
-    loss = total / max(count, 1)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
+        return trainer.objective.eval_record(total / max(count, 1), pm)
+
+
+def forward_passes(trainer, sampler):
+    """Forward passes alone over every row of `sampler` once (`eval_batches`), without
+    gradients: (this rank's loss sum, the global batch's loss tokens) per global batch. The
+    trainer's loss denominator is the batch's meanwhile, and restored after."""
+    pm = trainer.pm
+    kept = trainer.denominator
+    try:
+        with torch.no_grad():
+            for batch, loss_tokens in sampler.eval_batches(trainer.dp_rank, trainer.dp_size):
+                batch = batch.to(trainer.device)
+                trainer.use_denominator(loss_tokens)
+                if pm.pipeline is not None:
+                    loss_sum = trainer.pipeline_step(batch, forward_only=True)
+                else:
+                    loss_sum = torch.zeros((), device=trainer.device)
+                    rows = len(batch) * trainer.micro_batch // trainer.per_rank  # a pair is two rows (DPO)
+                    for i in range(0, len(batch), rows):
+                        mb = batch[i:i + rows]
+                        with pm.loss_context(), pm.forward_context():
+                            loss_sum += full_tensor(trainer.loss(trainer.forward(mb), mb.targets).detach())
+                yield loss_sum, loss_tokens
+    finally:
+        trainer.denominator = kept
 
 
 def data_summary(trainer, history: list[dict]) -> dict:
@@ -47,5 +58,5 @@ def data_summary(trainer, history: list[dict]) -> dict:
         out["truncated_documents"] = trainer.sampler.truncated
     evaluated = [r for r in history if "eval_loss" in r]
     if evaluated:
-        out["eval_loss"], out["eval_ppl"] = evaluated[-1]["eval_loss"], evaluated[-1]["eval_ppl"]
+        out.update({key: value for key, value in evaluated[-1].items() if key.startswith("eval_")})
     return out

@@ -21,8 +21,8 @@ class Progress:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
         else:
-            print(f"step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-                  f"tokens/s {rec['tokens_per_s']:.0f}  step {rec['step_time_s']:.2f}s  "
+            print(f"step {rec['step']}/{self.total}  loss {rec['loss']:.4f}" + _preference_text(rec) +
+                  f"  lr {rec['lr']:.2e}  tokens/s {rec['tokens_per_s']:.0f}  step {rec['step_time_s']:.2f}s  "
                   f"peak {rec['peak_mem_bytes'] / 2**20:.0f} MiB" + _eval_text(rec), flush=True)
 
     def close(self) -> None:
@@ -68,4 +68,16 @@ def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> Non
 
 
 def _eval_text(rec: dict) -> str:
-    return f"  eval loss {rec['eval_loss']:.4f}  perplexity {rec['eval_ppl']:.2f}" if "eval_loss" in rec else ""
+    if "eval_loss" not in rec:
+        return ""
+    if "eval_ppl" in rec:
+        return f"  eval loss {rec['eval_loss']:.4f}  perplexity {rec['eval_ppl']:.2f}"
+    return (f"  eval loss {rec['eval_loss']:.4f}  accuracy {rec['eval_rewards/accuracies']:.2f}  "
+            f"margin {rec['eval_rewards/margins']:.3f}")  # DPO
+
+
+def _preference_text(rec: dict) -> str:
+    """A DPO step's share of pairs the policy prefers as the data does, and by how much."""
+    if "rewards/accuracies" not in rec:
+        return ""
+    return f"  accuracy {rec['rewards/accuracies']:.2f}  margin {rec['rewards/margins']:.3f}"

@@ -20,7 +20,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..adapters.lora import parameter_counts
 from ..config import Config, config_from_toml, layout_of, model_config, to_toml, workload_of
@@ -43,6 +42,7 @@ from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .moe_stats import ExpertStats
+from .objectives import build_objective
 from .profile import StepProfiler
 from .progress import parameter_line
 from .profile import report as profile_report
@@ -70,14 +70,6 @@ def lr_at(step: int, cfg: Config) -> float:
     if t.lr_schedule == "linear":
         return t.lr - (t.lr - floor) * progress
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: float) -> torch.Tensor:
-    """Cross-entropy summed over the tokens that carry loss (targets IGNORE, -100, carry none),
-    divided by the rank's share of the global batch's such tokens: micro-batch gradients then
-    add up to the batch mean, and the data-parallel average of those is the global mean.
-    fp32 over the vocabulary whatever the compute dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / denominator
 
 
 def train_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
@@ -128,7 +120,9 @@ class Trainer:
         if cfg.lora.init:
             load_adapters(self.pm.model, cfg.lora.init, cfg.lora, self.model_cfg)
         self.optimizer = build_optimizer(self.pm.model, cfg, self.mesh)
-        self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer)
+        self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer,
+                                                         cfg.train.objective)
+        self.objective = build_objective(cfg, device)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
         self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
         self.start_step = self._resume(resume)
@@ -153,16 +147,18 @@ class Trainer:
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
         source = resume_source(resume, self.run_dir, self.ck_dir, self.rank0)
+        self.resumed_state = None
         if source is None:
             return 0
         self.hangs.where = f"loading {source}"
-        step = load_checkpoint(source, self.pm.model, self.optimizer)["step"]
+        self.resumed_state = load_checkpoint(source, self.pm.model, self.optimizer)
+        step = self.resumed_state["step"]
         if self.rank0:
             print(f"resumed from {source} at step {step}", file=sys.stderr, flush=True)
         return step
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, targets, self.denominator)
+        return self.objective.loss(logits, targets, self.denominator)
 
     def use_denominator(self, loss_tokens: int) -> None:
         """Divide the losses that follow by this rank's share of `loss_tokens`, the tokens with
@@ -175,6 +171,11 @@ class Trainer:
             return self.pm.module(batch.inputs)
         return self.pm.module(batch.inputs, positions=batch.positions)
 
+    def pipeline_step(self, batch: Batch, forward_only: bool = False) -> torch.Tensor:
+        """`batch` through the pipeline schedule; the sum of the losses this rank saw."""
+        with self.objective.pipeline_calls(self.pm.n_microbatches):
+            return self.pm.pipeline_step(batch.inputs, batch.targets, batch.positions, forward_only)
+
     def forward_backward(self, batch: Batch, micro_batch: int | None = None) -> torch.Tensor:
         """One step's forward and backward over this rank's batch, in micro-batches of
         `micro_batch` sequences (default: the run's) or through the pipeline schedule.
@@ -182,12 +183,13 @@ class Trainer:
         pm = self.pm
         if pm.pipeline is not None:
             with self.pipeline_times.step():
-                return pm.pipeline_step(batch.inputs, batch.targets, batch.positions)
+                return self.pipeline_step(batch)
         micro_batch = micro_batch or self.micro_batch
         n_micro = self.per_rank // micro_batch
+        rows = len(batch) // n_micro  # a sample is one row, a DPO pair two
         loss_sum = torch.zeros((), device=self.device)
         for i in range(n_micro):
-            mb = batch[i * micro_batch:(i + 1) * micro_batch]
+            mb = batch[i * rows:(i + 1) * rows]
             # Gradients are averaged across ranks only on the last micro-batch.
             with pm.micro_batch_context(last=i == n_micro - 1):
                 with pm.forward_context():
@@ -219,14 +221,16 @@ class Trainer:
             self.held = state_bytes(pm.model, optimizer)  # while gradients still exist
         pm.zero_gradients(optimizer)
         loss = pm.global_loss(loss_sum)
+        figures = self.objective.step_record(pm)
         step_time = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_time, "step_time_s": step_time,
-                **self.experts.step_record(self.dp_size, cfg.parallel.tp)}
+                "tokens_per_s": batch.inputs.numel() * self.dp_size / step_time, "step_time_s": step_time,
+                **figures, **self.experts.step_record(self.dp_size, cfg.parallel.tp)}
 
     def train(self) -> dict | None:
         """The run from its first step to the last; rank 0 returns the summary."""
         cfg, t = self.cfg, self.cfg.train
+        self.objective.prepare(self, self.resumed_state)
         if t.confirm_micro_batch and self.pm.pipeline is None and self.start_step == 0:
             self.hangs.where = "the --auto micro-batch trial"
             self.micro_batch = self._confirm_micro_batch()
@@ -261,7 +265,7 @@ class Trainer:
         c = self.cfg.parallel
         state = {"step": step, "lr": lr_at(step, self.cfg), "data": self.sampler.state_dict(next_step=step),
                  "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp},
-                 "inputs": self.inputs}
+                 "inputs": self.inputs, **self.objective.checkpoint_state()}
         save_checkpoint(self.ck_dir, step, self.pm.model, self.optimizer, state, self.cfg.checkpoint.keep)
 
     def _finish(self, history: list[dict], profiler: StepProfiler) -> dict | None:
