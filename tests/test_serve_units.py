@@ -590,10 +590,11 @@ def test_tool_calls_written_in_the_text_become_openais_tool_calls():
 
     from llmsplit.infer.chat import render_chat
     from llmsplit.infer.serve.replies import Reply
+    from llmsplit.infer.serve.tool_calls import PARSERS
 
     def reply(text):
         seq = SimpleNamespace(text=text, finish_reason="stop", prompt=[1], tokens=[2])
-        return Reply("m", True, [seq], tools="auto").message(seq)
+        return Reply("m", True, [seq], tools=PARSERS["hermes"]).message(seq)
 
     message, finish = reply('Checking. <tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
     assert finish == "tool_calls" and message["content"] == "Checking."

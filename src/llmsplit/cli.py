@@ -239,7 +239,7 @@ def cmd_serve(args) -> int:
     failure = None
     config = _infer_config(args, max_batch=args.max_batch, kv_tokens=args.kv_tokens,
                            prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                           pooling=args.pooling,
+                           pooling=args.pooling, tool_call_parser=args.tool_call_parser,
                            lora=_lora_runs(args.lora),
                            nodes=Nodes(**_node_settings(args)))
     try:

@@ -165,6 +165,8 @@ def _add_generate(sub) -> argparse.ArgumentParser:
 
 
 def _add_serve(sub) -> argparse.ArgumentParser:
+    from .infer.config import TOOL_CALL_PARSERS
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
                        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
                                    "\"stream\": true), GET /health and GET /metrics, batching all live requests "
@@ -213,6 +215,10 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=("last", "mean"), default="last", help="what /v1/embeddings and Ollama's "
                    "/api/embed return: the final hidden state of the last token, or the mean over the text, "
                    "normalized (default %(default)s)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                   help="how tool calls (tool_choice \"auto\") are read from the model's replies: hermes "
+                        "(<tool_call> JSON: Qwen2.5/3, Hermes), llama3_json (Llama 3.1+ JSON), mistral "
+                        "([TOOL_CALLS]), or none (left as text); auto picks by the chat template (default %(default)s)")
     _add_template_args(p)
     add_placement_args(p, context_default="the model's, at most 4096")
     _add_node_args(p, node0="; node 0 serves HTTP, the others run their share of the --tp/--pp workers")

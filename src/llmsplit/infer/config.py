@@ -13,10 +13,13 @@ from ..errors import ConfigError
 from ..launch import Nodes
 from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own packing
 
-KV_DTYPES = ("int8", "bfloat16")
+KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
 SPECULATIVE = ("ngram",)  # --speculative: the proposers engine/speculative.py has
 MAX_SPECULATIVE_TOKENS = 16  # --speculative-tokens: proposals a step may verify per sequence
-POOLING = ("last", "mean")  # --pooling: how an embedding pools a text's final hidden states  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
+POOLING = ("last", "mean")  # --pooling: how an embedding pools a text's final hidden states
+# --tool-call-parser: how serve reads tool calls out of a reply (serve/tool_calls.py has one
+# parser per format); auto picks by the chat template's text, none leaves calls as content.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class InferConfig:
     n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory.
     speculative: "ngram" proposes speculative_tokens tokens a step by prompt lookup, verified
     in one forward (engine/speculative.py; greedy output unchanged); None: off. pooling: "last"
-    or "mean", how embeddings (`LoadedModel.embed`) pool the final hidden states."""
+    or "mean", how embeddings (`LoadedModel.embed`) pool the final hidden states.
+    tool_call_parser: how `serve` reads tool calls (tool_choice "auto") out of replies, one of
+    TOOL_CALL_PARSERS ("auto": picked from the chat template)."""
     device_map: str | dict = "auto"
     max_memory: str | dict | None = None
     offload_dir: str | None = None
@@ -62,6 +67,7 @@ class InferConfig:
     speculative: str | None = None
     speculative_tokens: int = 4
     pooling: str = "last"
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -72,6 +78,9 @@ class InferConfig:
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {self.kv_dtype!r} is not one of: {', '.join(KV_DTYPES)} "
                               f"(default: the compute dtype)")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one of: "
+                              f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.n_cpu_moe < 0:
             raise ConfigError(f"--n-cpu-moe {self.n_cpu_moe} keeps the experts of mixture-of-experts layers in "
                               f"CPU memory, and it must be a positive count")

@@ -3,21 +3,19 @@
 A chat request with tools gets its calls back as `tool_calls` in OpenAI's shape. With
 tool_choice "required" or a named function the model's text is held by a grammar to
 {"name": ..., "arguments": {...}} for one of the offered functions (`forced_call_schema`),
-so the call always parses; with "auto" the model writes calls the way chat templates that
-render tools ask for them, as JSON inside <tool_call>...</tool_call> (the Hermes format of
-Qwen2.5, Hermes and SmolLM3's templates), and the text around them stays the content.
+so the call always parses; with "auto" the model writes calls the way its chat template asks
+for them, read by one of tool_calls.py's parsers (Hermes <tool_call> JSON, Llama 3.1+ JSON,
+Mistral [TOOL_CALLS]), and the text around them stays the content. Streamed, text that may
+begin a call is held until it is decided, and each call goes out as a tool_calls delta.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 import uuid
 
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+from .tool_calls import CallScanner, ToolParser, json_call
 
 
 def forced_call_schema(functions: list[dict], name: str | None) -> dict:
@@ -30,14 +28,17 @@ def forced_call_schema(functions: list[dict], name: str | None) -> dict:
 
 
 class Reply:
-    """`tools`: None (plain text), "forced" (the whole text is one call) or "auto" (calls
-    found in the text). `texts` (a TokenTexts): log-probabilities were asked for; `echo`: the
-    prompt's text of each sequence, which comes back before its completion; `score_only`: the
-    prompt alone comes back (max_tokens 0 with echo: the one token computed is not shown)."""
+    """`tools`: None (plain text), "forced" (the whole text is one call) or the ToolParser of
+    "auto" (calls found in the text by it). `texts` (a TokenTexts): log-probabilities were
+    asked for; `echo`: the prompt's text of each sequence, which comes back before its
+    completion; `score_only`: the prompt alone comes back (max_tokens 0 with echo: the one
+    token computed is not shown)."""
 
-    def __init__(self, model: str, chat: bool, seqs, tools: str | None = None, texts: TokenTexts | None = None,
-                 echo: list[str] | None = None, score_only: bool = False):
+    def __init__(self, model: str, chat: bool, seqs, tools: str | ToolParser | None = None,
+                 texts: TokenTexts | None = None, echo: list[str] | None = None, score_only: bool = False):
         self.model, self.chat, self.seqs, self.tools = model, chat, seqs, tools
+        # Streamed with "auto": each sequence's text read for calls as it comes.
+        self.scanners = [CallScanner(tools) for _ in seqs] if isinstance(tools, ToolParser) else None
         self.texts, self.score_only = texts, score_only
         # Each sequence's echoed prompt, by id: best_of drops and reorders sequences.
         self.echo = None if echo is None else {s.id: text for s, text in zip(seqs, echo)}
@@ -72,28 +73,18 @@ class Reply:
 
     def message(self, seq) -> tuple[dict, str | None]:
         """The assistant's message for a finished sequence, and its finish reason."""
-        calls, content = self._calls(seq.text) if self.tools and seq.finish_reason == "stop" else ([], seq.text)
+        if self.tools == "forced":
+            call = json_call(seq.text) if seq.finish_reason == "stop" else None
+            calls, content = ([call], None) if call else ([], seq.text)
+        elif self.tools:
+            content, calls = CallScanner(self.tools).feed(seq.text, final=True)
+            content = (content or None) if calls else content
+        else:
+            calls, content = [], seq.text
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-            return message, "tool_calls"
-        return message, seq.finish_reason
-
-    def _calls(self, text: str) -> tuple[list[dict], str | None]:
-        if self.tools == "forced":
-            found, rest = [text], ""
-        else:
-            found, rest = TOOL_CALL.findall(text), TOOL_CALL.sub("", text).strip()
-        calls = []
-        for raw in found:
-            try:
-                call = json.loads(raw)
-                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            except (ValueError, KeyError, TypeError):  # not a call after all: left in the content
-                return [], text
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        return calls, (rest or None) if calls else text
+        return message, _finish(seq, bool(calls))
 
     def whole(self, best_of: int = 1, n: int = 1) -> dict:
         """The finished answer; with `best_of` > `n` samples per prompt, the `n` likeliest of
@@ -120,32 +111,57 @@ class Reply:
         return self.echo[self.seqs[index].id] if self.echo is not None else ""
 
     def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False,
-              tokens: int | None = None) -> dict:
+              tokens: int | None = None) -> dict | None:
         """A piece of sequence `index`'s text, with the log-probabilities of its tokens up to
         `tokens` generated (None: all) when they were asked for; the echoed prompt (and its
-        log-probabilities) comes with its first piece."""
+        log-probabilities) comes with its first piece. None: nothing to send yet (with tools,
+        text that may begin a call is held until it is decided)."""
         echo = not (role or self.chat or self.echo is None or self.echoed[index])
         self.echoed[index] = self.echoed[index] or echo
         logprobs = None if role else self._logprobs(index, tokens, prompt=echo)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": ""} if role else self._delta(index, text)
+            if not (delta or logprobs is not None or finish is not None):
+                return None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             text = (self._echo(index) if echo else "") + ("" if self.score_only else text)
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(True), "choices": [choice]}
 
+    def _delta(self, index: int, text: str, final: bool = False) -> dict:
+        """A chat delta for a piece of text: with "auto" tools, the content and the calls it decides."""
+        if self.scanners is None:
+            return {"content": text} if text else {}
+        scanner = self.scanners[index]
+        first = scanner.calls
+        content, calls = scanner.feed(text, final)
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+        return delta
+
     def last_chunk(self, index: int, seq) -> dict:
-        """A streamed sequence's end. With tools its text was held back (a call must be whole
-        to be parsed): it comes here, as content or as tool-call deltas."""
+        """A streamed sequence's end: with "auto" tools, the text held back until now, as content
+        or calls; a forced call's text (held back whole: it must be whole to parse) as its call."""
         if not (self.chat and self.tools):
             return self.chunk(index, finish="length" if self.score_only else seq.finish_reason)
-        message, finish = self.message(seq)
-        delta = {"content": message["content"]} if message["content"] else {}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        if self.scanners is not None:
+            # The engine streams text once final, so what it has not streamed yet is the end of seq.text.
+            delta = self._delta(index, seq.text[len(self.scanners[index].text):], final=True)
+            finish = _finish(seq, self.scanners[index].calls > 0)
+        else:
+            message, finish = self.message(seq)
+            delta = {"content": message["content"]} if message["content"] else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         return {**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": self._logprobs(index),
                                                  "finish_reason": finish}]}
 
     def usage_chunk(self) -> dict:
         return {**self._head(True), "choices": [], "usage": self.usage()}
+
+
+def _finish(seq, called: bool) -> str | None:
+    """A finished sequence's finish reason: "tool_calls" when it called and ended by itself."""
+    return "tool_calls" if called and seq.finish_reason == "stop" else seq.finish_reason

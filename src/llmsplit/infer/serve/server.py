@@ -48,6 +48,7 @@ from .protocol import APIError, ChatRequest, CompletionRequest, check_fits
 from .request_body import parse_body, validation_error
 from .logprobs import TokenTexts
 from .replies import Reply, forced_call_schema
+from .tool_calls import ToolParser, pick_parser
 from .time_limit import OffLoop, TimeLimitExceeded
 
 RETRY_AFTER_S = 1  # a full queue drains as fast as sequences finish; retry soon rather than give up
@@ -58,12 +59,13 @@ DELIVERY_GRACE_S = 5.0
 
 
 class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
-    """The app's state and routes over one loaded model (`path`: its files, which /api/tags describes)."""
+    """The app's state and routes over one loaded model (`path`: its files, which /api/tags describes;
+    `tool_call_parser`: how tool_choice "auto" reads calls from replies, InferConfig.tool_call_parser)."""
 
     def __init__(self, model, name: str, max_queue: int = 64, api_key: str | None = None,
                  max_body: int = 1 << 20, announce: str | None = None, request_timeout: float = 10.0,
                  metrics_auth: bool = False, max_items: int = 10_000, template_limits: TemplateLimits | None = None,
-                 path=None):
+                 path=None, tool_call_parser: str = "auto"):
         if max_queue < 0 or max_body < 1 or not request_timeout > 0 or max_items < 1:
             raise ConfigError(f"--max-queue {max_queue} must be 0 or more, --max-request-size {max_body}, "
                               f"--request-timeout {request_timeout} and --max-request-items {max_items} positive")
@@ -77,6 +79,8 @@ class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
         self.tokenizer = model.tokenizer
         # A broken template fails the start, not every chat request.
         compile_template(self.tokenizer.chat_template or DEFAULT_TEMPLATE)
+        # How tool_choice "auto" reads calls out of replies (None: they stay plain content).
+        self.tool_parser = pick_parser(tool_call_parser, self.tokenizer.chat_template or "")
         self.off_loop = OffLoop(request_timeout)
         self.statuses: dict[int, int] = {}
         self.prometheus = ServeMetrics(self)
@@ -174,7 +178,8 @@ class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
             params.grammar = await self._grammar(None, forced_call_schema(functions, forced))
         else:
             params.grammar = await self._grammar(body.response_format)
-        return await self._answer(request, [ids], params, body, chat=True, tools=tools, adapter=adapter)
+        reading = self.tool_parser if tools == "auto" else tools  # "forced", a parser, or None: plain text
+        return await self._answer(request, [ids], params, body, chat=True, tools=reading, adapter=adapter)
 
     # ------------------------------------------------------------ helpers
 
@@ -217,16 +222,16 @@ class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
                                     self.grammars.json, schema)
 
     async def _answer(self, request: Request, ids: list[list[int]], params: SamplingParams, body, chat: bool,
-                      tools: str | None = None, adapter: int = 0, echo: list[str] | None = None,
+                      tools: str | ToolParser | None = None, adapter: int = 0, echo: list[str] | None = None,
                       score_only: bool = False):
         channel = Channel(asyncio.get_running_loop())
         texts = TokenTexts(self.tokenizer) if params.logprobs is not None else None
         samples = body.n if chat else body.samples()
         if samples > body.n and params.logprobs is None:
             params.logprobs = 0  # best_of ranks the samples by their log-probabilities
-        # With tools a streamed answer's text is held back until it ends: a call is parsed whole.
-        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and not tools, adapter=adapter,
-                                     n=samples)
+        # A forced call's streamed text is held back until it ends: the call is parsed whole.
+        work = self.scheduler.submit(ids, params, channel.put, stream=body.stream and tools != "forced",
+                                     adapter=adapter, n=samples)
         seqs = work.seqs
         echo = None if echo is None else [text for text in echo for _ in range(samples)]  # one per sequence
         reply = Reply(self.models[adapter], chat, seqs, tools, texts, echo, score_only)
@@ -247,7 +252,9 @@ class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
             while pending:
                 event = await channel.queue.get()
                 if event[0] == "text":
-                    yield _sse(reply.chunk(event[1], text=event[2], tokens=event[3]))
+                    chunk = reply.chunk(event[1], text=event[2], tokens=event[3])
+                    if chunk is not None:  # None: text held back (it may begin a tool call)
+                        yield _sse(chunk)
                 elif event[0] == "finish":
                     pending -= 1
                     yield _sse(reply.last_chunk(event[1], event[2]))
@@ -331,7 +338,7 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
                                      f"http://{url_host}:{where[1]}/v1 "
                                      f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout,
                             metrics_auth=metrics_auth, max_items=max_items, template_limits=template_limits,
-                            path=model_path)
+                            path=model_path, tool_call_parser=config.tool_call_parser)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=drain_timeout + DELIVERY_GRACE_S,
                                     http=partial(TimedH11Protocol, head_timeout=request_timeout))
