@@ -37,7 +37,8 @@ def test_run_files_follow_the_spec(reference):
         assert m["peak_mem_bytes"] >= 16 * 107_840
     assert summary["world_size"] == 1 and summary["steps"] == 6
     assert summary["layout"] == {"dp": 1, "dp_replicate": 1, "zero": 0, "tp": 1, "pp": 1, "pp_schedule": "1f1b",
-                                 "activation_checkpoint": "none", "offload": "none", "ep": 1}
+                                 "activation_checkpoint": "none", "offload": "none", "ep": 1,
+                                 "cp": 1, "cp_mode": "ring"}
     assert summary["final_loss"] == metrics[-1]["loss"]
     params = summary["params"]
     (rank,) = summary["per_rank"]

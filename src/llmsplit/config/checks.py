@@ -25,7 +25,7 @@ CHOICES = {"train.lr_schedule": ("cosine", "linear", "constant"), "train.precisi
 def resolve_world(cfg: Config, world_size: int) -> None:
     """Fill in `parallel.dp` (and sequence_parallel) from the world size, or refuse the layout."""
     par = cfg.parallel
-    par.dp = resolve_dp(par.dp, par.tp, par.pp, world_size)
+    par.dp = resolve_dp(par.dp, par.tp, par.pp, world_size, par.cp)
     if par.sequence_parallel is None:
         par.sequence_parallel = par.tp > 1
 
@@ -34,11 +34,12 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
     """The layout a training config runs. Sequence parallel stays at its default (None) when
     the config has the default, so that a planner changing tp keeps the default."""
     par, mem = cfg.parallel, cfg.memory
-    dp = par.dp if par.dp > 0 else resolve_dp(-1, par.tp, par.pp, world_size)
+    dp = par.dp if par.dp > 0 else resolve_dp(-1, par.tp, par.pp, world_size, par.cp)
     sp = None if par.sequence_parallel in (None, par.tp > 1) else par.sequence_parallel
     return Layout(dp=dp, dp_replicate=par.dp_replicate, zero=par.zero, tp=par.tp, sequence_parallel=sp, pp=par.pp,
                   pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages,
                   pp_microbatches=par.pp_microbatches, micro_batch=cfg.train.micro_batch, ep=par.ep,
+                  cp=par.cp, cp_mode=par.cp_mode,
                   activation_checkpoint=mem.activation_checkpoint, offload=mem.offload)
 
 
@@ -68,6 +69,7 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
+    _check_context_parallel_training(cfg)
     check_objective(cfg)
     check_data(cfg.data, t.eval_every)
     if t.eval_every and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
@@ -88,6 +90,19 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if model_cfg is not None and tokenizer_vocab is not None and model_cfg.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
+
+
+def _check_context_parallel_training(cfg: Config) -> None:
+    """What context parallel does not train with yet, apart from the splitting rules (layout/context.py)."""
+    cp, t = cfg.parallel.cp, cfg.train
+    if cp == 1:
+        return
+    if t.objective == "dpo":
+        # A pair's log-probability sums over its whole reply, which cp would split over ranks.
+        raise ConfigError(f"train.objective=\"dpo\" does not combine with parallel.cp={cp} yet; set parallel.cp=1")
+    if t.compile:
+        raise ConfigError(f"train.compile=true does not combine with parallel.cp={cp} yet (the ring's "
+                          f"communication inside each block); set train.compile=false or parallel.cp=1")
 
 
 def _check_offload_dir(path: str | None) -> None:

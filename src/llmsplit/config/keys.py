@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from ..layout.spec import CHECKPOINTING, OFFLOADS, SCHEDULES
+from ..layout.spec import CHECKPOINTING, CP_MODES, OFFLOADS, SCHEDULES
 from ..models.presets import PRESETS
 from ..models.weight_shapes import VALUE_CHOICES
 from .checks import CHOICES
@@ -83,7 +83,7 @@ DOCS = {
     "train.profile_steps": "steps traced with torch.profiler into RUN_DIR/profile/ (set by --profile)",
     "train.tensorboard": "also write metrics.jsonl's records as TensorBoard events in RUN_DIR/tensorboard/",
     "train.confirm_micro_batch": "try micro-batches before step 1, train with the largest that fits (set by --auto)",
-    "parallel.dp": "data-parallel ranks (-1: the workers left after tp and pp)",
+    "parallel.dp": "data-parallel ranks (-1: the workers left after cp, tp and pp)",
     "parallel.dp_replicate": "with zero 2 or 3: replicas of the sharded model (hybrid sharding)",
     "parallel.zero": "0 DDP; 1 shards the optimizer state; 2 also the gradients; 3 also the parameters (FSDP2)",
     "parallel.tp": "tensor-parallel ranks each layer is split over",
@@ -93,6 +93,8 @@ DOCS = {
     "parallel.pp_microbatches": "micro-batches the pipeline runs per step",
     "parallel.pp_virtual_stages": "looped stages per rank (interleaved_1f1b)",
     "parallel.ep": "expert-parallel ranks each MoE layer's experts are split over (divides dp)",
+    "parallel.cp": "context-parallel ranks each sequence is split over (data.seq_len divisible by 2 x cp)",
+    "parallel.cp_mode": "how attention crosses the split: key/value blocks round a ring, or all-to-all over heads",
     "memory.activation_checkpoint": "recompute in backward: each block (full), or element-wise ops and attention",
     "memory.offload": "cpu (zero 2/3): the model state in host memory; nvme: the Adam moments in a file",
     "memory.offload_dir": "the folder of memory.offload=\"nvme\"'s file",
@@ -119,7 +121,7 @@ def allowed_values() -> dict[str, str]:
     """The fixed values of each key that has them, as `--help-config` says them."""
     one_of = {**CHOICES, "parallel.pp_schedule": SCHEDULES, "memory.activation_checkpoint": CHECKPOINTING,
               "memory.offload": OFFLOADS, "data.format": FORMATS, "data.loss_on": LOSS_ON, "lora.base": BASES,
-              "train.objective": OBJECTIVES, "dpo.loss": DPO_LOSSES,
+              "train.objective": OBJECTIVES, "dpo.loss": DPO_LOSSES, "parallel.cp_mode": CP_MODES,
               "parallel.zero": ("0", "1", "2", "3"), "model.preset": tuple(PRESETS),
               **{f"model.{name}": values for name, values in VALUE_CHOICES.items()}}
     said = {key: f"one of {', '.join(values)}" for key, values in one_of.items()}

@@ -67,6 +67,8 @@ class ParallelSection:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     ep: int = 1  # expert parallel: each MoE layer's experts split over ep data-parallel ranks
+    cp: int = 1  # context parallel: each sequence split over cp ranks (parallel/context_parallel.py)
+    cp_mode: str = "ring"  # | "alltoall"
 
 
 @dataclass

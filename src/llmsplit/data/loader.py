@@ -28,20 +28,26 @@ IGNORE = -100  # the target of a token that carries no loss (F.cross_entropy's i
 class Batch:
     """Rows of one step: `inputs` and `targets` [n, seq_len] (targets IGNORE where no loss),
     `positions` [n, seq_len] restarting at each document of a packed row, or None for rows
-    that are one stream each (positions 0, 1, ... and plain causal attention)."""
+    that are one stream each (positions 0, 1, ... and plain causal attention). A context-parallel
+    rank's share of the rows (parallel.context_parallel.shard_rows) has its tokens' global
+    positions, and `doc_ids`, each token's document, for packed rows."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
+    def _each(self, f) -> Batch:
+        return Batch(*(None if t is None else f(t) for t in (self.inputs, self.targets, self.positions, self.doc_ids)))
+
     def __getitem__(self, rows: slice) -> Batch:
-        return Batch(self.inputs[rows], self.targets[rows], None if self.positions is None else self.positions[rows])
+        return self._each(lambda t: t[rows])
 
     def to(self, device) -> Batch:
-        return Batch(*(None if t is None else t.to(device) for t in (self.inputs, self.targets, self.positions)))
+        return self._each(lambda t: t.to(device))
 
     def loss_tokens(self) -> int:
         return int((self.targets != IGNORE).sum())

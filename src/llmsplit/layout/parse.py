@@ -26,7 +26,7 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
 
 
 def _value(key: str, raw: str):
-    if key in ("pp_schedule", "activation_checkpoint", "offload"):
+    if key in ("pp_schedule", "activation_checkpoint", "offload", "cp_mode"):
         return raw.strip('"\'')
     if key == "sequence_parallel":
         if raw.lower() not in ("true", "false"):

@@ -14,7 +14,8 @@ import math
 from ..errors import ConfigError
 from ..models.llama import LlamaConfig
 from ..models.weight_shapes import structure_problem
-from .spec import CHECKPOINTING, MODES, OFFLOADS, SCHEDULES, V_SCHEDULES, Layout, Workload, stages_per_rank
+from .context import check_context_parallel
+from .spec import CHECKPOINTING, CP_MODES, MODES, OFFLOADS, SCHEDULES, V_SCHEDULES, Layout, Workload, stages_per_rank
 from .tp_plan import rank_layer_shapes
 
 # The inputs of one int4 group: quant.sizes.INT4_GROUP, which layout/ may not import (a sibling
@@ -25,7 +26,8 @@ _TRAIN_NAMES = {"dp": "parallel.dp", "dp_replicate": "parallel.dp_replicate", "z
                 "tp": "parallel.tp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
                 "pp_virtual_stages": "parallel.pp_virtual_stages", "pp_microbatches": "parallel.pp_microbatches",
                 "micro_batch": "train.micro_batch", "activation_checkpoint": "memory.activation_checkpoint",
-                "offload": "memory.offload", "sequence_parallel": "parallel.sequence_parallel", "ep": "parallel.ep"}
+                "offload": "memory.offload", "sequence_parallel": "parallel.sequence_parallel", "ep": "parallel.ep",
+                "cp": "parallel.cp", "cp_mode": "parallel.cp_mode"}
 
 
 def _say(key: str, value, work: Workload | None) -> str:
@@ -43,21 +45,31 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_dp(dp: int, tp: int, pp: int, world: int) -> int:
+def _product(dp, cp: int, tp: int, pp: int) -> tuple[str, str]:
+    """('parallel.dp × tp × pp', '2×1×1'), with cp among them when it is on."""
+    keys, values = ["tp", "pp"], [tp, pp]
+    if cp > 1:
+        keys, values = ["cp", *keys], [cp, *values]
+    return " × ".join(["parallel.dp", *keys]), "×".join(map(str, [dp, *values]))
+
+
+def resolve_dp(dp: int, tp: int, pp: int, world: int, cp: int = 1) -> int:
     """The data-parallel degree on `world` ranks: `dp` itself, or what is left when it is -1."""
-    for key, value in (("tp", tp), ("pp", pp)):
+    for key, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if value < 1:
             raise ConfigError(f"parallel.{key}={value} must be at least 1")
     if dp == -1:
-        if world % (tp * pp):
-            raise ConfigError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}; "
-                              f"change --nproc (or --gpus) or the tp/pp degrees")
-        return world // (tp * pp)
+        if world % (cp * tp * pp):
+            names = "parallel.cp × parallel.tp × parallel.pp" if cp > 1 else "parallel.tp × parallel.pp"
+            raise ConfigError(f"world size {world} is not divisible by {names} = {cp * tp * pp}; "
+                              f"change --nproc (or --gpus) or the {'cp/' if cp > 1 else ''}tp/pp degrees")
+        return world // (cp * tp * pp)
     if dp < 1:
         raise ConfigError(f"parallel.dp={dp} must be -1 (what is left) or at least 1")
-    if dp * tp * pp != world:
-        raise ConfigError(f"parallel.dp × tp × pp = {dp}×{tp}×{pp} = {dp * tp * pp} but the world size is {world}; "
-                          f"set parallel.dp=-1 or --nproc {dp * tp * pp}")
+    if dp * cp * tp * pp != world:
+        names, values = _product(dp, cp, tp, pp)
+        raise ConfigError(f"{names} = {values} = {dp * cp * tp * pp} but the world size is {world}; "
+                          f"set parallel.dp=-1 or --nproc {dp * cp * tp * pp}")
     return dp
 
 
@@ -69,10 +81,12 @@ def check(model: LlamaConfig | None, layout: Layout, work: Workload | None = Non
         raise ConfigError(f"mode {work.mode!r} is not one of: {', '.join(MODES)}")
     _check_degrees(layout, work)
     if world is not None and layout.world != world:
-        raise ConfigError(f"parallel.dp × tp × pp = {layout.dp}×{layout.tp}×{layout.pp} = {layout.world} but the "
-                          f"world size is {world}; change parallel.dp (or leave it at -1)")
+        names, values = _product(layout.dp, layout.cp, layout.tp, layout.pp)
+        raise ConfigError(f"{names} = {values} = {layout.world} but the world size is {world}; change parallel.dp "
+                          f"(or leave it at -1)")
     _check_data_parallel(layout)
     _check_expert_parallel(model, layout, work)
+    check_context_parallel(model, layout, work)
     if layout.pp > 1:
         _check_schedule(layout)
     training = work is None or work.mode == "train"
@@ -105,12 +119,13 @@ def check_model(model: LlamaConfig) -> None:
 
 
 def _check_degrees(layout: Layout, work: Workload | None) -> None:
-    for key in ("dp", "dp_replicate", "tp", "pp", "pp_virtual_stages", "micro_batch", "ep"):
+    for key in ("dp", "dp_replicate", "tp", "pp", "pp_virtual_stages", "micro_batch", "ep", "cp"):
         if getattr(layout, key) < 1:
             raise ConfigError(f"{_say(key, getattr(layout, key), work)} must be at least 1")
     if layout.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={layout.zero} is not one of: 0, 1, 2, 3")
-    for key, allowed in (("pp_schedule", SCHEDULES), ("activation_checkpoint", CHECKPOINTING), ("offload", OFFLOADS)):
+    for key, allowed in (("pp_schedule", SCHEDULES), ("activation_checkpoint", CHECKPOINTING), ("offload", OFFLOADS),
+                         ("cp_mode", CP_MODES)):
         if getattr(layout, key) not in allowed:
             raise ConfigError(f"{_say(key, getattr(layout, key), work)} is not one of: {', '.join(map(repr, allowed))}")
 
@@ -323,9 +338,10 @@ def _check_sequence(model: LlamaConfig, layout: Layout, work: Workload) -> None:
     if work.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len={work.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
                           f"lower data.seq_len or raise model.max_seq_len")
-    if layout.sp and work.seq_len % layout.tp:
-        # Sequence parallel cuts every sequence into tp equal pieces; uneven pieces make the
-        # collectives of the ranks disagree on sizes (gloo aborts the workers).
-        raise ConfigError(f"data.seq_len={work.seq_len} is not divisible by parallel.tp={layout.tp}, and sequence "
-                          f"parallel splits each sequence over the tp ranks; use a data.seq_len that is a multiple "
-                          f"of {layout.tp} or set parallel.sequence_parallel=false")
+    if layout.sp and work.seq_len % (layout.cp * layout.tp):
+        # Sequence parallel cuts every sequence (a cp rank's share of it) into tp equal pieces;
+        # uneven pieces make the collectives of the ranks disagree on sizes (gloo aborts the workers).
+        by = f"parallel.cp × parallel.tp = {layout.cp * layout.tp}" if layout.cp > 1 else f"parallel.tp={layout.tp}"
+        raise ConfigError(f"data.seq_len={work.seq_len} is not divisible by {by}, and sequence parallel splits "
+                          f"each sequence over the tp ranks; use a data.seq_len that is a multiple of "
+                          f"{layout.cp * layout.tp} or set parallel.sequence_parallel=false")

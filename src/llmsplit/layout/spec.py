@@ -10,6 +10,7 @@ CHECKPOINTING = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODES = ("train", "infer")
+CP_MODES = ("ring", "alltoall")  # how attention crosses the sequence shards (parallel/context_parallel.py)
 
 V_SCHEDULES = ("zbv", "dualpipev")
 # Schedules that split a backward into an input-gradient and a later weight-gradient pass
@@ -40,10 +41,12 @@ class Layout:
     activation_checkpoint: str = "none"
     offload: str = "none"
     ep: int = 1  # expert parallel, inside the data-parallel ranks (not a factor of the world)
+    cp: int = 1  # context parallel: each sequence split over cp ranks that read the same rows
+    cp_mode: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def sp(self) -> bool:
@@ -51,8 +54,10 @@ class Layout:
 
     @property
     def shard(self) -> int:
-        """Ranks that share one copy of the sharded state (ZeRO's N)."""
-        return self.dp // self.dp_replicate if self.zero >= 2 else self.dp
+        """Ranks that share one copy of the sharded state (ZeRO's N): the data-parallel ranks
+        and, since they hold the same weights and reduce gradients together, the cp ranks."""
+        ranks = self.dp * self.cp
+        return ranks // self.dp_replicate if self.zero >= 2 else ranks
 
     @property
     def expert_dp(self) -> int:

@@ -7,6 +7,7 @@ tanh-capped scores (Gemma 2), for which SDPA has no option and the scores are co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,10 +50,15 @@ class Attention(nn.Module):
     # Set by `fuse_projections` for inference: [wq; wk; wv] as one weight (and bias), and the
     # head counts of q and k in it. None: three matmuls (training, offloaded layers).
     qkv: tuple | None = None
+    # Set by context parallel (parallel/context_parallel.apply_context_parallel) for training:
+    # (q, k, v, doc_ids=) -> out, attention over a sequence whose rows this rank holds a share of,
+    # the other shares on other ranks; documents kept apart by `doc_ids`. None: `_attend` alone.
+    context: Callable | None = None
 
-    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0, mask=None):
+    def forward(self, x, cos, sin, kv_cache=None, layer_id: int = 0, start_pos: int = 0, mask=None, doc_ids=None):
         """`mask` (training on packed rows, no cache): [b, 1, s, s], True where a query may
-        attend to a key (`llama.document_mask`)."""
+        attend to a key (`llama.document_mask`). `doc_ids` [b, s] (packed rows under `context`):
+        each token's document."""
         b, s, _ = x.shape
         if self.qkv is not None:
             # One matmul and one rotary pass over the q and k heads together: at batch 1 the
@@ -81,10 +87,12 @@ class Attention(nn.Module):
             rule = (self.scale or self.head_dim ** -0.5, self.softcap, self.window)
             out = kv_cache.attend(layer_id, q, k, v, self._attend, rule)
         else:
-            out = self._attend(q, k, v, mask, start_pos).transpose(1, 2).reshape(b, s, -1)
+            out = self._attend(q, k, v, mask, start_pos, doc_ids).transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
 
-    def _attend(self, q, k, v, mask, start_pos):
+    def _attend(self, q, k, v, mask, start_pos, doc_ids=None):
+        if self.context is not None:
+            return self.context(q, k, v, doc_ids=doc_ids)
         s, total = q.shape[2], k.shape[2]
         causal = False
         if self.window is not None and total > self.window:

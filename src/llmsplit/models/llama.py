@@ -167,8 +167,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norm else None
 
-    def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0, mask=None):
-        a = self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos, mask=mask)
+    def forward(self, x, cos, sin, kv_cache=None, start_pos: int = 0, mask=None, doc_ids=None):
+        a = self.attention(self.attention_norm(x), cos, sin, kv_cache, self.layer_id, start_pos, mask=mask,
+                           doc_ids=doc_ids)
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
         f = self.feed_forward(self.ffn_norm(h))
         return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
@@ -194,9 +195,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    # Set by context parallel (parallel/context_parallel.apply_context_parallel): each row holds
+    # this rank's share of its sequence at the global `positions`, and every layer's attention
+    # (`Attention.context`) keeps packed documents apart by `doc_ids` across the shares; a mask
+    # over one share would be wrong, so none is built.
+    sequence_sharded: bool = False
+
     def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int | torch.Tensor = 0,
                 last_only: bool = False, positions: torch.Tensor | None = None,
-                pick: torch.Tensor | None = None) -> torch.Tensor:
+                pick: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. With a `kv_cache`, `start_pos` is the
         position of tokens[:, 0] (an int, or a LongTensor [b] when the sequences of the batch
         are at different positions) and the cache is extended in place. `last_only` computes
@@ -205,12 +212,13 @@ class Transformer(nn.Module):
         attention then stays within documents (`document_mask`); with a `kv_cache` (several
         sequences packed in one row, the cache's `PackedStep`), each token's position in its
         sequence. `pick` [n]: the positions of the row whose logits are wanted (the last token
-        of each packed sequence)."""
+        of each packed sequence). `doc_ids` [b, s] (`sequence_sharded` packed rows): each token's
+        document, numbered over the whole row."""
         s = tokens.shape[1]
         mask = None
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            mask = document_mask(positions) if kv_cache is None else None
+            mask = document_mask(positions) if kv_cache is None and not self.sequence_sharded else None
         elif isinstance(start_pos, torch.Tensor):
             pos = start_pos[:, None] + torch.arange(s, device=start_pos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # the caller keeps pos inside the table
@@ -233,9 +241,9 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             if local:  # the global and local tables side by side (`model_rope_tables`)
                 half = slice(hd, None) if self.cfg.sliding(layer.layer_id) else slice(None, hd)
-                h = layer(h, cos[..., half], sin[..., half], kv_cache, start_pos, mask=mask)
+                h = layer(h, cos[..., half], sin[..., half], kv_cache, start_pos, mask=mask, doc_ids=doc_ids)
             else:
-                h = layer(h, cos, sin, kv_cache, start_pos, mask=mask)
+                h = layer(h, cos, sin, kv_cache, start_pos, mask=mask, doc_ids=doc_ids)
         if pick is not None and self.output is not None:
             h = h[:, pick]
         elif last_only and self.output is not None:
@@ -310,10 +318,15 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     BlockMask: FlexAttention has no backward on CPU in torch 2.13, so it cannot train there,
     and its eager forward was 4-12x slower than SDPA's (benchmarks/doc_attention.py); SDPA
     with a mask runs under every layout (TP, pipeline stages, checkpointing) as it is."""
-    doc = (positions == 0).cumsum(1)
+    doc = document_ids(positions)
     s = positions.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions within documents -> [b, s] the document of each token: 0 starts one."""
+    return (positions == 0).cumsum(1)
 
 
 def assign_full_tensor(p: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """The single function that turns a plain model into the parallel model the config asks for.
 
-Order (the one torchtitan uses): PP split → TP → EP → LoRA → activation checkpointing → compile →
-FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts). A quantized
+Order (the one torchtitan uses): PP split → TP → CP → EP → LoRA → activation checkpointing → compile →
+FSDP/DDP (LoRA after TP, so that each adapter is split like the layer it adapts; CP swaps in the
+attention across the sequence shards, which then runs on each rank's tp share of the heads). A quantized
 base (QLoRA) is quantized once its weights are loaded, and FSDP wraps it after that: FSDP2 then
 shards the quantized bytes (adapters/qlora.py). The model is built on the meta device, so no rank ever allocates the whole
 model before it is split; weights are then materialised on the device (already sharded
@@ -24,6 +25,7 @@ from ..allocator import give_back_freed_memory
 from ..config import Config
 from ..layout import SPLIT_BACKWARD_SCHEDULES
 from ..models.llama import LlamaConfig, Transformer, plain_name
+from .context_parallel import apply_context_parallel
 from .data_parallel import (
     apply_ddp,
     apply_fsdp,
@@ -50,6 +52,9 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         parts = split_model(model, par.pp_schedule, mesh.rank("pp"), par.pp, par.pp_virtual_stages)
     if par.tp > 1:
         apply_tp(model, mesh.mesh["tp"], par.sequence_parallel)
+    cp_group = mesh.group("cp") if par.cp > 1 else None
+    if cp_group is not None:
+        apply_context_parallel(model, cp_group, par.cp_mode)
     if par.ep > 1:
         apply_ep(model, mesh.sub("ep"))
     lora = cfg.lora
@@ -85,15 +90,15 @@ def build_parallel_model(model_cfg: LlamaConfig, cfg: Config, mesh: Mesh, device
         # DDP can wrap neither a pipeline stage (many micro-batch backwards per step
         # through one module) nor DTensor parameters (tp; ep's experts, which also average
         # over other ranks); gradients are averaged after the backward instead, in one flat
-        # all-reduce per group.
-        manual_grad_group = mesh.group("dp") if mesh.size("dp") > 1 else None
+        # all-reduce per group, over the data- and context-parallel ranks (mesh.py).
+        manual_grad_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
     elif par.zero < 2:
         # DDP must wrap materialised parameters (it broadcasts rank 0's at construction).
         module = apply_ddp(model, mesh, device, ignore=quantized_names(model))
     precision = cfg.train.precision
     return ParallelModel(module=module, model=model, mesh=mesh, device=device, pipeline=parts,
                          pp_schedule=par.pp_schedule, manual_grad_group=manual_grad_group,
-                         expert_parallel=par.ep > 1,
+                         expert_parallel=par.ep > 1, cp_group=cp_group,
                          amp_dtype=autocast_dtype(par.zero, precision), sharded_loss=par.tp > 1,
                          scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None)
 

@@ -14,15 +14,21 @@ Two ways to attend across the split, behind `context_attention`:
 Written by hand because torch's own `context_parallel` (DTensor) has no sharding rule for the
 CPU flash kernel and its SDPA ring takes no attention mask (packed documents). This ring is one
 loop on every device; only the block kernel is chosen per device (`_KERNELS`).
+
+Training installs it from outside the plain model (`apply_context_parallel`) and gives each
+rank its share of every row (`shard_rows`).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..models.llama import Transformer, document_ids
 
 aten = torch.ops.aten
 
@@ -338,3 +344,30 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         return _RingAttention.apply(q, k, v, group, scale, docs)
     assert mode == "alltoall", f"unknown context parallel mode {mode!r}"
     return _alltoall_attention(q, k, v, group, scale, docs)
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def apply_context_parallel(model: Transformer, group: dist.ProcessGroup, mode: str) -> None:
+    """Every layer of `model` attends across the cp ranks' shares of the sequence (in place,
+    before activation checkpointing and data-parallel wrapping, which keep the attribute)."""
+    for block in model.layers.values():
+        attention = block.attention
+        attention.context = partial(context_attention, group=group, mode=mode, scale=attention.scale)
+    model.sequence_sharded = True
+
+
+def shard_rows(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+               group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, positions, doc_ids) of this rank's share of every row [b, s]: its two
+    chunks of the tokens and targets, their global positions (RoPE must not restart at a
+    shard) and, for packed rows (`positions` restart at each document), the document of each
+    token, numbered over the whole row before it is cut: a shard alone cannot tell."""
+    cp, rank = group.size(), group.rank()
+    doc_ids = None
+    if positions is None:
+        positions = shard_positions(inputs.shape[1], cp, rank, inputs.device).expand(inputs.shape[0], -1)
+    else:
+        doc_ids = shard_sequence(document_ids(positions), cp, rank)
+        positions = shard_sequence(positions, cp, rank)
+    return shard_sequence(inputs, cp, rank), shard_sequence(targets, cp, rank), positions, doc_ids

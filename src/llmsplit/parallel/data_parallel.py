@@ -8,6 +8,10 @@
   keeps the gathered parameters from forward to backward (`reshard_after_forward=False`),
   zero 3 frees them after each block's forward. With `dp_replicate > 1` the mesh is 2-D
   (replicate × shard): hybrid sharding.
+
+Every wrapper reduces over the data-parallel ranks together with the context-parallel ones
+(the mesh's dp_cp / dp_shard_cp): cp ranks hold the same weights and each computes the
+gradients of its share of the tokens.
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ def _loaded(module: str, name: str):
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device, ignore: list[str] = ()) -> nn.Module:
-    """Replicate the model over the data-parallel group; gradients are averaged in buckets
+    """Replicate the model over the data- and context-parallel group; gradients are averaged in buckets
     that overlap with the backward pass. `ignore`: parameters DDP neither broadcasts nor
     reduces (a quantized frozen base, the same on every rank by construction)."""
     if ignore:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     return DistributedDataParallel(
         model,
-        process_group=mesh.group("dp"),
+        process_group=mesh.group("dp_cp"),
         device_ids=[device.index] if device.type == "cuda" else None,
         # Every parameter is used in every step; saying so skips a graph traversal.
         find_unused_parameters=False,
@@ -73,7 +77,7 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     assert zero in (2, 3), zero
-    dp_mesh = mesh.hybrid if mesh.hybrid is not None else mesh.sub("dp_shard")
+    dp_mesh = mesh.hybrid if mesh.hybrid is not None else mesh.sub("dp_shard_cp")
     kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision), "ignored_params": ignored or None}
     if cpu_offload:
         # Pinned host memory needs an accelerator; a CPU-only build refuses it.
@@ -84,7 +88,7 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], mesh: Mesh, zero: int, 
     # root's parameters after forward (they are needed first in backward).
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    if torch.distributed.get_backend(mesh.group("dp_shard")) == "gloo":
+    if torch.distributed.get_backend(mesh.group("dp_shard_cp")) == "gloo":
         reduce_scatter = _gloo_reduce_scatter()  # stateless: one for every unit
         for unit in units:
             unit.set_custom_reduce_scatter(reduce_scatter)
@@ -131,12 +135,12 @@ def autocast_dtype(zero: int, precision: str) -> torch.dtype | None:
 
 def zero1_optimizer(param_groups: list[dict], mesh: Mesh, optimizer_class,
                     **defaults) -> "torch.distributed.optim.ZeroRedundancyOptimizer":
-    """Each data-parallel rank keeps the optimizer state of about 1/dp of the parameters
-    (whole tensors, balanced by size) and broadcasts the ones it updated."""
+    """Each data- (and context-) parallel rank keeps the optimizer state of about 1/(dp × cp) of
+    the parameters (whole tensors, balanced by size) and broadcasts the ones it updated."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class,
-                                   process_group=mesh.group("dp"), **defaults)
+                                   process_group=mesh.group("dp_cp"), **defaults)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,12 +1,14 @@
 """One object that owns the device mesh and answers "which rank am I in each dimension".
 
-The mesh always has the five dimensions pp × dp_replicate × edp × ep × tp (size 1 where
+The mesh always has the six dimensions pp × dp_replicate × edp × ep × cp × tp (size 1 where
 unused), so the code that asks for a group never has to know which techniques are on.
 Expert parallel splits the sharded data-parallel ranks: `dp_shard` is edp × ep flattened,
 `ep` holds one copy of the experts between its ranks and `edp` (with dp_replicate:
-"expert_dp") the ranks that hold the same experts. Data loading and DDP use the flattened
-data-parallel dimension "dp" (rank order the same as without ep). Training and inference
-`--tp/--pp` both build it from a `Layout`.
+"expert_dp") the ranks that hold the same experts. Data loading uses the flattened
+data-parallel dimension "dp" (rank order the same as without ep). Context parallel's cp ranks
+read the same rows (each a share of every sequence) and hold the same weights, so gradients
+are reduced over "dp_cp", dp × cp flattened (FSDP shards over "dp_shard_cp"), as torchtitan's
+dp_shard_cp mesh does. Training and inference `--tp/--pp` both build it from a `Layout`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..config import ParallelSection
 from ..layout import Layout
 
-DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
+DIMS = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int = 1
+    cp: int = 1
 
     @property
     def edp(self) -> int:
@@ -37,13 +40,13 @@ class ParallelDims:
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
         return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp // layout.dp_replicate,
-                   tp=layout.tp, ep=layout.ep)
+                   tp=layout.tp, ep=layout.ep, cp=layout.cp)
 
     @classmethod
     def from_config(cls, par: ParallelSection) -> "ParallelDims":
         assert par.dp > 0, "resolve parallel.dp before building the mesh"
         return cls.from_layout(Layout(dp=par.dp, dp_replicate=par.dp_replicate, tp=par.tp, pp=par.pp,
-                                      ep=par.ep))
+                                      ep=par.ep, cp=par.cp))
 
     @property
     def dp(self) -> int:
@@ -51,7 +54,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def ranks(self, **coords: int) -> list[int]:
         """The global ranks at these coordinates of the mesh (e.g. `ranks(pp=1)`: stage 1's),
@@ -82,16 +85,22 @@ class Mesh:
             "dp_shard": self.mesh["edp", "ep"]._flatten("dp_shard"),
             "expert_dp": self.mesh["dp_replicate", "edp"]._flatten("expert_dp"),
             "dp": self.mesh["dp_replicate", "edp", "ep"]._flatten("dp")}
+        # Without cp these are the same ranks as dp and dp_shard: no second set of groups.
+        self.flat["dp_cp"], self.flat["dp_shard_cp"] = self.flat["dp"], self.flat["dp_shard"]
+        if dims.cp > 1:
+            self.flat["dp_cp"] = self.mesh["dp_replicate", "edp", "ep", "cp"]._flatten("dp_cp")
+            self.flat["dp_shard_cp"] = self.mesh["edp", "ep", "cp"]._flatten("dp_shard_cp")
         self.dp_mesh: DeviceMesh = self.flat["dp"]
-        # Hybrid sharding's (replicas, shards) mesh, shards being edp × ep: with expert parallel
-        # the rest of the model shards over both. Unflattened from dp, as slicing the flattened
-        # dp_shard from the root mesh is deprecated.
+        # Hybrid sharding's (replicas, shards) mesh, shards being edp × ep × cp: with expert or
+        # context parallel the rest of the model shards over those ranks too. Unflattened from
+        # dp_cp, as slicing the flattened dp_shard_cp from the root mesh is deprecated.
         self.hybrid: DeviceMesh | None = None
         if dims.dp_replicate > 1:
-            self.hybrid = self.dp_mesh._unflatten(0, (dims.dp_replicate, dims.dp_shard), ("replicas", "shards"))
+            self.hybrid = self.flat["dp_cp"]._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp),
+                                                        ("replicas", "shards"))
 
     def sub(self, dim: str) -> DeviceMesh:
-        """The 1-D mesh of `dim`, one of DIMS or a flattened one (dp, dp_shard, expert_dp)."""
+        """The 1-D mesh of `dim`, one of DIMS or a flattened one (dp, dp_shard, expert_dp, dp_cp, dp_shard_cp)."""
         return self.flat[dim] if dim in self.flat else self.mesh[dim]
 
     def rank(self, dim: str) -> int:

@@ -44,6 +44,8 @@ class ParallelModel:
     manual_grad_group: object | None = None
     # parallel.ep > 1: the experts' gradients average over the expert_dp ranks (expert_parallel.py).
     expert_parallel: bool = False
+    # parallel.cp > 1: the group whose ranks each hold a share of every row (context_parallel.shard_rows).
+    cp_group: object | None = None
     # The dtype forward passes autocast to: DDP computes under autocast; FSDP casts the
     # gathered parameters itself (its MixedPrecisionPolicy), so it has none.
     amp_dtype: torch.dtype | None = None
@@ -189,14 +191,15 @@ class ParallelModel:
             torch._foreach_zero_(kept)
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
-        """The mean loss over the global batch from this rank's share (a collective)."""
-        return self.global_sum(loss_sum).item() / self.mesh.size("dp")
+        """The mean loss over the global batch from this rank's share (a collective): each of the
+        dp × cp ranks' loss is its tokens' sum over a dp × cp-th of the batch's loss tokens."""
+        return self.global_sum(loss_sum).item() / self.mesh.size("dp_cp")
 
     def global_sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed in place over what the loss sees apart: the pipeline's stages (only the
-        last computes a loss) and the data-parallel ranks (tensor-parallel ranks hold the same
-        value). A collective."""
+        last computes a loss), the data-parallel ranks and the context-parallel ranks (each
+        a share of every sequence; tensor-parallel ranks hold the same value). A collective."""
         if self.pipeline is not None:
             dist.all_reduce(t, group=self.mesh.group("pp"))
-        dist.all_reduce(t, group=self.mesh.group("dp"))
+        dist.all_reduce(t, group=self.mesh.group("dp_cp"))
         return t

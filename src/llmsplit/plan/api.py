@@ -207,7 +207,7 @@ def _fixed_layout(layout, gpus: int) -> Layout | None:
     lay = parse_layout(layout)
     explicit_dp = any(item.split("=")[0].strip().split(".")[-1] == "dp" for item in layout.split(","))
     if not explicit_dp:
-        lay = replace(lay, dp=resolve_dp(-1, lay.tp, lay.pp, gpus))
+        lay = replace(lay, dp=resolve_dp(-1, lay.tp, lay.pp, gpus, lay.cp))
     return lay
 
 
@@ -229,6 +229,7 @@ def layout_config(source: Config | None, name: str, model: LlamaConfig, layout: 
     cfg.train.precision = work.precision
     par = cfg.parallel
     par.dp, par.dp_replicate, par.zero, par.tp, par.pp = layout.dp, layout.dp_replicate, layout.zero, layout.tp, layout.pp
+    par.cp, par.cp_mode = layout.cp, layout.cp_mode
     par.sequence_parallel = layout.sp if layout.tp > 1 else None
     par.pp_schedule, par.pp_virtual_stages, par.pp_microbatches = (layout.pp_schedule, layout.pp_virtual_stages,
                                                                    layout.pp_microbatches)

@@ -62,16 +62,17 @@ def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Devi
     n_local = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"]
     dp_comm, dp_exposed = _data_parallel_comm(cfg, layout, work, device, n_local, compute_s)
     tp_s, pp_s = _model_parallel_comm(cfg, layout, work, device)
+    cp_s = _context_parallel_comm(cfg, layout, work, device, compute_s)
     # Every MoE layer waits for its tokens: the all-to-all is on the critical path.
     a2a_bytes = all_to_all_bytes_per_step(cfg, layout, work)
     a2a_calls = all_to_all_calls_per_step(cfg, layout, work)
     ep_s = a2a_bytes / _bw(device, layout.tp * layout.ep) + a2a_calls * COLLECTIVE_LATENCY_S * (layout.ep - 1)
     optimizer_s = _optimizer_time(layout, m, device, n_local)
-    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + ep_s + optimizer_s
+    step = compute_s + bubble_s + dp_exposed + tp_s + pp_s + ep_s + cp_s + optimizer_s
     tokens_per_s = tokens_step / step
     mfu = per_token * tokens_per_s / (layout.world * device.flops(work.precision))
     detail = {"compute_s": compute_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "bubble_s": bubble_s,
-              "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
+              "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "tp_comm_s": tp_s, "pp_comm_s": pp_s, "cp_comm_s": cp_s,
               "ep_comm_s": ep_s, "ep_all_to_all_bytes": a2a_bytes, "optimizer_s": optimizer_s, "model_flops_per_token": per_token}
     return StepCost(step_time_s=step, tokens_per_s=tokens_per_s, mfu=mfu, detail=detail)
 
@@ -92,7 +93,7 @@ def _compute_times(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
     # Elementwise work (norms, rope, SiLU, casts, their backward) streams the saved
     # activations about three times: written in forward, read and written in backward.
     layers = max(rank_layer_counts(cfg, layout))  # the fullest stage sets the pace
-    per_layer = layer_activation_bytes(cfg, layout.micro_batch, s, layout, compute_pattern(layout, work))
+    per_layer = layer_activation_bytes(cfg, layout.micro_batch, s // layout.cp, layout, compute_pattern(layout, work))
     elementwise_s = 3 * per_layer * layers * m / (device.mem_bw / (device.gpus_per_node if device.kind == "cpu" else 1))
     return matmul_s, elementwise_s
 
@@ -100,8 +101,8 @@ def _compute_times(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
 def _data_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device, n_local: float,
                         compute_s: float) -> tuple[float, float]:
     """(all data-parallel communication, the part not hidden behind compute), in seconds;
-    fp32 gradients, since the parameters are fp32."""
-    t, dp, shard, m, c = layout.tp, layout.dp, layout.shard, microbatches(layout, work), work.compute_bytes
+    fp32 gradients, since the parameters are fp32. Context-parallel ranks reduce with them."""
+    t, dp, shard, m, c = layout.tp, layout.dp * layout.cp, layout.shard, microbatches(layout, work), work.compute_bytes
     if dp == 1:
         return 0.0, 0.0
     dp_bw, shard_bw = _bw(device, t * dp), _bw(device, t * shard)
@@ -126,7 +127,7 @@ def _data_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device
 
 def _model_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> tuple[float, float]:
     """(tensor-parallel, pipeline) communication seconds on the critical path."""
-    s, m, c, t, p = work.seq_len, microbatches(layout, work), work.compute_bytes, layout.tp, layout.pp
+    s, m, c, t, p = work.seq_len // layout.cp, microbatches(layout, work), work.compute_bytes, layout.tp, layout.pp
     tp_s = pp_s = 0.0
     if t > 1:  # two collectives per layer forward, two in backward, none hidden
         act = layout.micro_batch * s * cfg.dim * c
@@ -137,6 +138,27 @@ def _model_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, devic
         act = layout.micro_batch * s * cfg.dim * c / (t if layout.sp else 1)
         pp_s = 2 * (m + p - 1) * (act / _bw(device, t * layout.dp * p) + COLLECTIVE_LATENCY_S)
     return tp_s, pp_s
+
+
+def _context_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device,
+                           compute_s: float) -> float:
+    """Context parallel's seconds on the critical path (parallel/context_parallel.py). Ring:
+    per layer and micro-batch, cp - 1 key/value blocks forward, and in backward as many again
+    plus their fp32 gradients, each sent while the previous block is computed: exposed only
+    where the sends outlast the compute. All-to-all: q, k, v in and the output back, forward
+    and backward, (cp - 1)/cp of each rank's share moved, waited for."""
+    cp, t = layout.cp, layout.tp
+    if cp == 1:
+        return 0.0
+    tokens = layout.micro_batch * work.seq_len // cp
+    calls = max(rank_layer_counts(cfg, layout)) * microbatches(layout, work)
+    kv, h, c = cfg.n_kv_heads * cfg.head_dim / t, cfg.n_heads * cfg.head_dim / t, work.compute_bytes
+    bw = _bw(device, t * cp)  # the cp ranks of one tp rank lie tp apart (parallel/mesh.py)
+    if layout.cp_mode == "alltoall":
+        moved = 2 * tokens * c * (2 * h + 2 * kv) * (cp - 1) / cp
+        return calls * (moved / bw + 4 * COLLECTIVE_LATENCY_S)
+    sent = (cp - 1) * tokens * 2 * kv * (2 * c + FP32)
+    return max(0.0, calls * sent / bw - compute_s) + calls * 2 * (cp - 1) * COLLECTIVE_LATENCY_S
 
 
 def _optimizer_time(layout: Layout, m: int, device: Device, n_local: float) -> float:

@@ -238,7 +238,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     n_params = sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"] + adapters
     pattern = compute_pattern(layout, work)
     c = work.compute_bytes
-    b, s = layout.micro_batch, work.seq_len
+    b, s = layout.micro_batch, work.seq_len // layout.cp  # a cp rank holds its share of every sequence
     m = microbatches(layout, work)
     layers = sp_["n_layers"]
     fused = device.kind == "cpu" or work.precision != "fp32"
@@ -317,7 +317,7 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
     adapters = stage["n_layers"] * lora_layer_params(cfg, work, layout.tp)
     n_params = stage["layers"] + stage["embedding"] + stage["head"] + stage["final_norm"] + adapters
     trained = adapters if work.lora_rank else n_params  # what has gradients
-    if layout.dp > 1 and layout.zero <= 1:
+    if layout.dp * layout.cp > 1 and layout.zero <= 1:  # DDP reduces over dp × cp
         out["ddp_buckets"] = FP32 * trained  # all buckets, allocated once, 25 MB each
     if layout.zero >= 2:
         unit = layer_params(cfg, layout.tp, layout.ep)
@@ -338,7 +338,9 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
             # Without gradient sync (every micro-batch but the last) FSDP2 keeps each
             # block's unsharded gradient, upcast to the fp32 reduce dtype, until the last.
             out["accumulated_unsharded_grads"] = FP32 * trained
-    tokens = layout.micro_batch * work.seq_len
+    tokens = layout.micro_batch * work.seq_len // layout.cp
+    if layout.cp > 1:
+        out["cp_attention"] = context_buffer_bytes(cfg, layout, tokens, c)
     if layout.tp > 1:
         out["tp_collectives"] = 2 * tokens * cfg.dim * c  # an all-gather output and its input
     if layout.pp > 1:
@@ -347,6 +349,18 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
         out["ep_dispatch"] = dispatch_buffer_bytes(cfg, layout, work)
     out["total"] = int(sum(out.values()))
     return out
+
+
+def context_buffer_bytes(cfg: LlamaConfig, layout: Layout, tokens: int, c: int) -> int:
+    """What context parallel's attention holds beside a layer's saved tensors, for a rank's
+    `tokens` (parallel/context_parallel.py). Ring, in backward: the key/value block in use and
+    the one arriving, and the fp32 key/value gradients being added to, sent and received, plus
+    the fp32 query gradient. All-to-all: q, k, v and the output for the whole sequence and a
+    cp-th of the heads (as many bytes as the rank's own), each beside its exchange buffer."""
+    h, kv, t = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, layout.tp
+    if layout.cp_mode == "alltoall":
+        return int(2 * tokens * c * (2 * h + 2 * kv) / t)
+    return int(tokens * (kv * 2 * (2 * c + 3 * FP32) + FP32 * h) / t)
 
 
 def inference_memory(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> Breakdown:

@@ -47,6 +47,8 @@ def layout_text(layout: dict) -> str:
         keys.append("offload")
     if layout.get("ep", 1) > 1:
         keys.insert(keys.index("pp") + 1, "ep")
+    if layout.get("cp", 1) > 1:
+        keys[keys.index("tp"):keys.index("tp")] = ["cp", "cp_mode"]
     return ",".join(f"{k}={layout[k]}" for k in keys)
 
 

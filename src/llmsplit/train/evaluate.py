@@ -32,7 +32,7 @@ def forward_passes(trainer, sampler):
     try:
         with torch.no_grad():
             for batch, loss_tokens in sampler.eval_batches(trainer.dp_rank, trainer.dp_size):
-                batch = batch.to(trainer.device)
+                batch = trainer.local_rows(batch.to(trainer.device))
                 trainer.use_denominator(loss_tokens)
                 if pm.pipeline is not None:
                     loss_sum = trainer.pipeline_step(batch, forward_only=True)

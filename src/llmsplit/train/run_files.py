@@ -119,7 +119,7 @@ def run_summary(cfg: Config, world: int, counts: dict, history: list[dict], per_
         "world_size": world,
         "layout": {"dp": par.dp, "dp_replicate": par.dp_replicate, "zero": par.zero, "tp": par.tp, "pp": par.pp,
                    "pp_schedule": par.pp_schedule, "activation_checkpoint": mem.activation_checkpoint,
-                   "offload": mem.offload, "ep": par.ep},
+                   "offload": mem.offload, "ep": par.ep, "cp": par.cp, "cp_mode": par.cp_mode},
         "micro_batch": micro_batch,
         "steps": cfg.train.steps,
         "final_loss": final_loss,

@@ -31,6 +31,7 @@ from ..io.tokenizer import load_tokenizer
 from ..launch import join_job
 from ..layout import microbatches
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
+from ..parallel.context_parallel import shard_rows
 from ..parallel.mesh import Mesh, ParallelDims
 from ..threads import ThreadTuner
 from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
@@ -162,14 +163,22 @@ class Trainer:
 
     def use_denominator(self, loss_tokens: int) -> None:
         """Divide the losses that follow by this rank's share of `loss_tokens`, the tokens with
-        loss in the global batch (a batch without any gives loss 0, not 0/0)."""
-        self.denominator = max(loss_tokens, 1) / self.dp_size
+        loss in the global batch (a batch without any gives loss 0, not 0/0): one of dp × cp,
+        whose gradients and losses the data-parallel reduction averages."""
+        self.denominator = max(loss_tokens, 1) / self.mesh.size("dp_cp")
+
+    def local_rows(self, batch: Batch) -> Batch:
+        """What this rank computes of its data-parallel rows: all of them, or under context
+        parallel its share of each sequence."""
+        if self.pm.cp_group is None:
+            return batch
+        return Batch(*shard_rows(batch.inputs, batch.targets, batch.positions, self.pm.cp_group))
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The logits of a (micro-)batch; packed rows restart positions at each document."""
         if batch.positions is None:
             return self.pm.module(batch.inputs)
-        return self.pm.module(batch.inputs, positions=batch.positions)
+        return self.pm.module(batch.inputs, positions=batch.positions, doc_ids=batch.doc_ids)
 
     def pipeline_step(self, batch: Batch, forward_only: bool = False) -> torch.Tensor:
         """`batch` through the pipeline schedule; the sum of the losses this rank saw."""
@@ -184,6 +193,7 @@ class Trainer:
         if pm.pipeline is not None:
             with self.pipeline_times.step():
                 return self.pipeline_step(batch)
+        batch = self.local_rows(batch)
         micro_batch = micro_batch or self.micro_batch
         n_micro = self.per_rank // micro_batch
         rows = len(batch) // n_micro  # a sample is one row, a DPO pair two
@@ -264,7 +274,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         c = self.cfg.parallel
         state = {"step": step, "lr": lr_at(step, self.cfg), "data": self.sampler.state_dict(next_step=step),
-                 "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp},
+                 "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp,
+                            "cp": c.cp},
                  "inputs": self.inputs, **self.objective.checkpoint_state()}
         save_checkpoint(self.ck_dir, step, self.pm.model, self.optimizer, state, self.cfg.checkpoint.keep)
 

@@ -1,0 +1,58 @@
+"""The rules of context parallel (`parallel.cp`, parallel/context_parallel.py): each sequence is
+cut into 2 × cp equal chunks, rank r of the cp group holding chunks r and 2·cp−1−r, and
+attention crosses the shards as a ring or by all-to-all over the heads.
+
+What cp does not combine with yet is refused here by name rather than left to fail inside a
+collective: pipeline stages (the schedule sends one activation shape between stages, and its
+micro-batches would need the cp shards' positions and documents), mixture-of-experts layers
+(their load-balancing loss and bias counts are over a whole sequence's tokens, a cp rank sees
+part of it), and the attention variants whose masks or scores the ring's kernels do not apply
+(Gemma 2's capped scores, sliding windows).
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..models.llama import LlamaConfig
+from .spec import Layout, Workload
+
+
+def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Workload | None) -> None:
+    cp = layout.cp
+    if cp == 1:
+        return
+    said = f"parallel.cp={cp}"
+    if work is not None and work.mode == "infer":
+        raise ConfigError(f"{said} splits training sequences; inference does not split a prompt over ranks yet "
+                          f"(leave parallel.cp at 1 with --mode infer)")
+    for other, value in (("pp", layout.pp), ("ep", layout.ep)):
+        if value > 1:
+            raise ConfigError(f"{said} does not combine with parallel.{other}={value} yet; set parallel.{other}=1 or "
+                              f"parallel.cp=1")
+    if model is not None:
+        _check_model(model, layout, said)
+    if work is not None and work.seq_len % (2 * cp):
+        fits = [d for d in range(1, work.seq_len // 2 + 1) if work.seq_len % (2 * d) == 0][:12]
+        raise ConfigError(f"data.seq_len={work.seq_len} is not divisible by 2 × {said} = {2 * cp}: context parallel "
+                          f"cuts each sequence into 2 × cp equal chunks, one from the front and one from the back "
+                          f"for each rank; use a data.seq_len that is a multiple of {2 * cp} or parallel.cp in "
+                          f"{', '.join(map(str, fits))}")
+
+
+def _check_model(model: LlamaConfig, layout: Layout, said: str) -> None:
+    if model.n_experts:
+        raise ConfigError(f"{said} does not split mixture-of-experts models yet (model.n_experts={model.n_experts}: "
+                          f"their balancing statistics are over whole sequences); set parallel.cp=1")
+    for key, value in (("attn_softcap", model.attn_softcap), ("sliding_window", model.sliding_window)):
+        if value is not None:
+            raise ConfigError(f"{said} does not combine with model.{key}={value} yet (the context-parallel attention "
+                              f"is plain causal attention over the whole sequence); set parallel.cp=1")
+    if layout.cp_mode != "alltoall" or model.n_heads % layout.tp:
+        return  # (heads that tp does not divide are refused by the tensor-parallel rule)
+    heads = model.n_heads // layout.tp
+    if heads % layout.cp:
+        per = f" ({heads} per tensor-parallel rank)" if layout.tp > 1 else ""
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"parallel.cp_mode=\"alltoall\" gives each of the {said} ranks a share of the attention "
+                          f"heads, and model.n_heads={model.n_heads}{per} does not divide by {layout.cp}; use "
+                          f"parallel.cp in {', '.join(map(str, fits))} or parallel.cp_mode=\"ring\"")
