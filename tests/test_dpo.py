@@ -127,6 +127,12 @@ def test_rows_of_each_shape_score_the_reply_alone(tmp_path):
     assert all(text.strip().startswith("Blue.") for text in scored[0::2]), scored
     assert all(text.strip().startswith("Green.") for text in scored[1::2]), scored
     assert all("Hello" not in text and "Sky" not in text for text in scored)
+    # Cut to the longest row rounded up to 8 (as TRL pads to the longest): the same scored tokens.
+    cut = PreferenceSampler(pairs, 96, 4, 0, width_multiple=8).rows([0, 1, 2, 3])
+    width = cut.inputs.shape[1]
+    assert width % 8 == 0 and width < 96 and torch.equal(cut.inputs, batch.inputs[:, :width])
+    assert torch.equal(cut.targets[:, :-1], batch.targets[:, :width]) and (batch.targets[:, width:-1] == -100).all()
+    assert cut.targets[:, -1].tolist() == batch.targets[:, -1].tolist()
 
 
 @pytest.mark.parametrize("row, says", [

@@ -18,10 +18,12 @@ from .packing import PackedSampler
 from .preference import PreferencePairs, PreferenceSampler, check_preference_files, read_preference_files
 
 
-def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, objective: str = "sft"):
-    """(training sampler, evaluation sampler or None)."""
+def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, objective: str = "sft",
+                   width_multiple: int | None = None):
+    """(training sampler, evaluation sampler or None). `width_multiple`: DPO's rows are cut to the
+    longest of their batch rounded up to it (None: data.seq_len wide)."""
     if objective == "dpo":
-        return _preference_samplers(data, global_batch, seed, tokenizer)
+        return _preference_samplers(data, global_batch, seed, tokenizer, width_multiple)
     if data.format == "chat":
         docs = load_chat_documents(data.source, data.loss_on, tokenizer)
         held = load_chat_documents(data.eval_source, data.loss_on, tokenizer, "data.eval_source") \
@@ -40,7 +42,7 @@ def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, o
     return make(docs), (make(held) if held is not None else None)
 
 
-def _preference_samplers(data: DataSection, global_batch: int, seed: int, tokenizer):
+def _preference_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, width_multiple: int | None):
     """DPO's pairs (data/preference.py); held out like conversations, the last pairs."""
     pairs = read_preference_files(jsonl_files(data.source, "data.source"), tokenizer)
     held = read_preference_files(jsonl_files(data.eval_source, "data.eval_source"), tokenizer, "data.eval_source") \
@@ -53,7 +55,7 @@ def _preference_samplers(data: DataSection, global_batch: int, seed: int, tokeni
         held = PreferencePairs(pairs.chosen[cut:], pairs.rejected[cut:])
         pairs = PreferencePairs(pairs.chosen[:cut], pairs.rejected[:cut])
     pad = tokenizer.eos_id or 0
-    make = lambda p: PreferenceSampler(p, data.seq_len, global_batch, seed, pad)
+    make = lambda p: PreferenceSampler(p, data.seq_len, global_batch, seed, pad, width_multiple)
     return make(pairs), (make(held) if held is not None else None)
 
 

@@ -138,8 +138,13 @@ class PreferenceSampler(BatchSampler):
     """Pairs in the order `BatchSampler` draws rows (the same for every layout and resumable by
     step); a batch of n pairs is 2n rows, chosen and rejected alternating."""
 
-    def __init__(self, pairs: PreferencePairs, seq_len: int, global_batch: int, seed: int, pad_id: int = 0):
+    def __init__(self, pairs: PreferencePairs, seq_len: int, global_batch: int, seed: int, pad_id: int = 0,
+                 width_multiple: int | None = None):
         self.pairs, self.pad_id = pairs, pad_id
+        # Rows are cut to the longest of their batch, rounded up to this multiple (TRL pads to the
+        # longest too; pairs are often far shorter than data.seq_len). None: data.seq_len wide, for
+        # the pipeline, whose schedule keeps the first step's shapes.
+        self.width_multiple = width_multiple
         row = seq_len + 1
         self.truncated = 0
         for where, n, (ids, mask) in _sequences(pairs):
@@ -171,6 +176,12 @@ class PreferenceSampler(BatchSampler):
                 ids_mask = side[p] if p != NO_PAIR else empty
                 parts.append(self._row(*ids_mask, p))
         inputs, targets = (torch.from_numpy(np.stack([part[i] for part in parts])) for i in range(2))
+        if self.width_multiple:
+            # A row of n tokens has n - 1 inputs that matter; filler rows none.
+            longest = max([min(len(side[p][0]), self.seq_len + 1) - 1 for p in ids if p != NO_PAIR
+                           for side in (self.pairs.chosen, self.pairs.rejected)], default=1)
+            width = min(self.seq_len, -(-longest // self.width_multiple) * self.width_multiple)
+            inputs, targets = inputs[:, :width], torch.cat([targets[:, :width], targets[:, -1:]], 1)
         return Batch(inputs, targets)
 
     def rank_batch(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:

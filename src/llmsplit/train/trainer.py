@@ -122,7 +122,7 @@ class Trainer:
             load_adapters(self.pm.model, cfg.lora.init, cfg.lora, self.model_cfg)
         self.optimizer = build_optimizer(self.pm.model, cfg, self.mesh)
         self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer,
-                                                         cfg.train.objective)
+                                                         cfg.train.objective, _row_width_multiple(cfg))
         self.objective = build_objective(cfg, device)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
         self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
@@ -329,6 +329,13 @@ class Trainer:
         if self.rank0:
             (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
         return chosen
+
+
+def _row_width_multiple(cfg: Config) -> int | None:
+    """What the width of rows cut to their batch's longest must divide by: 8 (kernels like round
+    shapes), and tp under sequence parallel; None under pipeline parallel, whose schedule keeps
+    the first step's shapes."""
+    return None if cfg.parallel.pp > 1 else math.lcm(8, cfg.parallel.tp)
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
