@@ -201,3 +201,16 @@ def test_the_planner_counts_a_cp_ranks_share_of_the_activations_and_its_communic
     assert memory[4].detail["comm"]["cp_attention"] > 0 and "cp_attention" not in memory[1].detail["comm"]
     assert training_cost(cfg, four, work, device).detail["cp_comm_s"] > 0
     assert training_cost(cfg, one, work, device).detail["cp_comm_s"] == 0
+
+
+def test_the_planner_chooses_cp_for_a_sequence_that_fits_no_other_way(capsys):
+    """Llama-3-8B at 128k tokens on 8 H100s: the fastest layouts that fit split the sequence;
+    `--set model.max_seq_len` raises a preset's context."""
+    from llmsplit.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--global-batch", "8",
+                 "--set", "model.max_seq_len=131072", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = report["layouts"][0]
+    assert best["fits"] and best["layout"]["cp"] > 1, best["layout"]
+    assert all(c["layout"]["cp"] == 1 for c in report["layouts"] if c["layout"]["pp"] > 1)  # cp x pp: not yet

@@ -39,7 +39,10 @@ def resolve_model(model, tokenizer_vocab: int | None = None, sets: tuple[str, ..
         return model, "custom", load_config(None, sets) if sets else None
     text = str(model)
     if text in PRESETS:
-        return preset_config(text), text, load_config(None, [f"model.preset={text}", *sets]) if sets else None
+        if not sets:
+            return preset_config(text), text, None
+        cfg = load_config(None, [f"model.preset={text}", *sets])  # model.* sizes set on top of the preset's
+        return model_config(cfg, tokenizer_vocab), text, cfg
     path = Path(text)
     if path.suffix == ".toml":
         cfg = load_config(path, sets)  # a missing or unparsable file is a ConfigError

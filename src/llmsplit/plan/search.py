@@ -70,14 +70,24 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
         if world % tp:
             continue
         for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if work.mode == "infer":
-                variants = [Layout(dp=dp, tp=tp, pp=pp)]
-            elif work.global_batch % dp:
-                continue  # no micro-batch size makes this dp divide the batch
-            else:
-                variants = _training_variants(cfg, work, device, tp, pp, dp, minimal)
-            yield from (lay for lay in variants if accepts(cfg, lay, work, world))
+            for cp in _context_degrees(work, world // (tp * pp), pp):
+                dp = world // (tp * pp * cp)
+                if work.mode == "infer":
+                    variants = [Layout(dp=dp, tp=tp, pp=pp)]
+                elif work.global_batch % dp:
+                    continue  # no micro-batch size makes this dp divide the batch
+                else:
+                    variants = _training_variants(cfg, work, device, tp, pp, dp, minimal, cp)
+                yield from (lay for lay in variants if accepts(cfg, lay, work, world))
+
+
+def _context_degrees(work: Workload, ranks: int, pp: int) -> list[int]:
+    """Context-parallel degrees to try: 1, and for training without pipeline stages (cp does not
+    combine with pp yet) every one the ranks and the sequence divide by, so a sequence too long
+    for one device's activations is split rather than refused."""
+    if work.mode == "infer" or pp > 1:
+        return [1]
+    return [c for c in divisors(ranks) if c == 1 or work.seq_len % (2 * c) == 0]
 
 
 def accepts(cfg: LlamaConfig, layout: Layout, work: Workload, world: int) -> bool:
@@ -89,9 +99,11 @@ def accepts(cfg: LlamaConfig, layout: Layout, work: Workload, world: int) -> boo
     return True
 
 
-def _training_variants(cfg, work, device, tp, pp, dp, minimal):
+def _training_variants(cfg, work, device, tp, pp, dp, minimal, cp=1):
     per_rank = work.global_batch // dp
     zeros = [0] if dp == 1 else ([1, 2, 3] if minimal else [0, 1, 2, 3])
+    if cp > 1:  # long sequences: the cp ranks shard the model state too (torchtitan's FSDP + CP)
+        zeros = [3]
     schedules = ["1f1b"]
     if pp > 1:
         schedules = ["1f1b", "zbv"] if minimal else ["1f1b", "interleaved_1f1b", "zbv"]
@@ -113,7 +125,7 @@ def _training_variants(cfg, work, device, tp, pp, dp, minimal):
                         for ep in [e for e in eps if (dp // r) % e == 0] if zero != 1 else [1]:
                             yield Layout(dp=dp, dp_replicate=r, zero=zero, tp=tp, pp=pp, pp_schedule=sched,
                                          pp_virtual_stages=v if sched == "interleaved_1f1b" else 1,
-                                         micro_batch=mb, activation_checkpoint=ac, ep=ep)
+                                         micro_batch=mb, activation_checkpoint=ac, ep=ep, cp=cp)
     # A model too big for the devices' memory can still train with its sharded state on
     # the host (FSDP's CPU offload), on a single device too.
     if device.kind != "cpu":

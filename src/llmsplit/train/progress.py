@@ -47,7 +47,8 @@ def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> Non
     rows = [
         ("run dir", str(run_dir)),
         ("layout", f"world {summary['world_size']}: dp={lay['dp']} zero={lay['zero']} tp={lay['tp']} pp={lay['pp']}"
-                    + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")),
+                    + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
+                    + (f" cp={lay['cp']} ({lay['cp_mode']})" if lay.get("cp", 1) > 1 else "")),
         ("model", f"{summary['params'] / 1e6:.2f}M parameters, {summary['precision']}"),
         ("steps", str(summary["steps"])),
         ("loss", (f"{first_loss:.4f} -> " if first_loss is not None else "") + f"{summary['final_loss']:.4f}"),
