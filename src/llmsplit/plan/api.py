@@ -11,8 +11,8 @@ from pathlib import Path
 from ..config import (Config, check_lora, layout_of, load_config, model_config, record_model_sizes, to_toml,
                       workload_of)
 from ..errors import ConfigError
-from ..layout import (PRECISIONS, Layout, Workload, check, check_model, packed_split_problem, parse_layout,
-                      rank_layer_counts, resolve_dp, stage_layers)
+from ..layout import (PRECISIONS, SPLIT_BACKWARD_SCHEDULES, Layout, Workload, check, check_model,
+                      packed_split_problem, parse_layout, rank_layer_counts, resolve_dp, stage_layers)
 from ..models.hf_config import UnsupportedHFConfig, is_hf_folder, read_hf_config
 from ..models.llama import LlamaConfig
 from ..models.presets import PRESETS, preset_config
@@ -298,6 +298,9 @@ def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: De
         device = replace(device, memory_bytes=min(device.memory_bytes, cfg.memory.limit_bytes))
     work = workload_of(cfg)
     result = search(model_cfg, work, world_size, device)
+    if cfg.train.objective == "dpo":  # what config/checks.py refuses DPO with; the layout rules see no objective
+        result["runnable"] = [c for c in result["runnable"]
+                              if c.layout.cp == 1 and c.layout.pp_schedule not in SPLIT_BACKWARD_SCHEDULES]
     if not result["runnable"]:
         raise ConfigError(f"--auto: no layout that llmsplit train runs fits {world_size} × {device.name}; "
                           f"{result['advice'] or 'see llmsplit plan for the reasons'}")
