@@ -155,11 +155,20 @@ def test_a_truncated_token_file_is_refused_before_any_worker(tmp_path, capsys):
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(reference, tmp_path):
+    """Checkpoints written in the background (checkpoint.async): step 4's is still under way
+    when rank 1 dies at step 5 (a background save completes after the next step at the
+    earliest), so the restart takes step 2's, the newest complete one."""
     run = tmp_path / "run"
-    proc = train(run, *TINY, "train.steps=6", "checkpoint.every=2", nproc=2, extra=("--max-restarts", "2"),
-                 env={"LLMSPLIT_FAULT": "1:4:kill"})
+    proc = train(run, *TINY, "train.steps=6", "checkpoint.every=2", "checkpoint.async=true", nproc=2,
+                 extra=("--max-restarts", "2"), env={"LLMSPLIT_FAULT": "1:5:kill"})
     assert "resumed from" in proc.stderr and "step_2" in proc.stderr, proc.stderr[-2000:]
     # One llmsplit line says which worker died and where the restart goes on from.
     restart = "llmsplit: worker rank 1 died (signal SIGKILL); restart 1 of 2 resumes from checkpoint step_2\n"
     assert proc.stderr.count(restart) == 1, proc.stderr[-2000:]
     assert_close_losses(losses(run), losses(reference))
+
+
+def test_checkpoints_every_so_many_seconds(tmp_path):
+    """checkpoint.every_seconds: a save after every step once that long has passed (rank 0's clock)."""
+    train(tmp_path / "run", *TINY, "train.steps=3", "checkpoint.every_seconds=1e-9", "checkpoint.keep=5", nproc=1)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]

@@ -61,6 +61,8 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
                      ("data.seq_len", 2), ("checkpoint.every", 0), ("checkpoint.keep", 1), ("train.profile_steps", 0),
                      ("parallel.dp_replicate", 1), ("parallel.pp_virtual_stages", 1), ("train.moe_aux_loss", 0)):
         _at_least(cfg, key, low)
+    if cfg.checkpoint.every_seconds < 0:
+        raise ConfigError(f"checkpoint.every_seconds={cfg.checkpoint.every_seconds} must be at least 0 (0 = off)")
     if mem.limit_bytes is not None:
         _at_least(cfg, "memory.limit_bytes", 1)
     if not t.lr > 0:

@@ -102,6 +102,8 @@ DOCS = {
     "checkpoint.dir": "where checkpoints go",
     "checkpoint.every": "steps between checkpoints (0: only at the end)",
     "checkpoint.keep": "newest checkpoints kept",
+    "checkpoint.async_save": "(also `checkpoint.async`) write checkpoints in the background while training goes on",
+    "checkpoint.every_seconds": "also save when this many seconds have passed since the last save (0: off)",
     "lora.rank": "rank of the LoRA adapters (0: LoRA off, every parameter trains)",
     "lora.alpha": "the adapters' update is scaled by lora.alpha / lora.rank",
     "lora.dropout": "dropout on the adapters' input",

@@ -86,6 +86,10 @@ class CheckpointSection:
     dir: str | None = None
     every: int = 0
     keep: int = 3
+    # `checkpoint.async` in a file or --set (a Python keyword, so the field has another name):
+    # write with DCP's async save while training goes on (train/checkpoint.py).
+    async_save: bool = False
+    every_seconds: float = 0.0  # also save when this long has passed since the last save (0: off)
 
 
 @dataclass

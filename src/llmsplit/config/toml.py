@@ -52,7 +52,12 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> 
     return cfg
 
 
+# Keys whose name is a Python keyword, held by a field of another name.
+KEYWORD_KEYS = {"checkpoint.async": "checkpoint.async_save"}
+
+
 def set_key(cfg: Config, dotted: str, value) -> None:
+    dotted = KEYWORD_KEYS.get(dotted, dotted)
     section_name, _, key = dotted.partition(".")
     if section_name not in _sections() or not key:
         _refuse_key(dotted, f"keys look like SECTION.KEY with SECTION one of {', '.join(_sections())}")

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +60,12 @@ def _model_state(model) -> dict:
     return {name: t for name, t in state.items() if name not in frozen}
 
 
-def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int) -> Path:
+def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict, keep: int,
+                    async_group=None) -> Path | PendingSave:
+    """Write the checkpoint of `step` and make it complete (a collective). With `async_group`
+    (a process group of its own: DCP's writer thread runs collectives while training runs its
+    own), DCP stages the state to host memory and writes it in the background: the returned
+    `PendingSave` completes it later."""
     ck_dir = Path(ck_dir)
     final = ck_dir / f"step_{step}"
     tmp = ck_dir / f".step_{step}.tmp"
@@ -71,23 +77,50 @@ def save_checkpoint(ck_dir: Path, step: int, model, optimizer, train_state: dict
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash: never resumed from
     dist.barrier()
     state = {"model": _model_state(model), "optim": _optim_state(model, optimizer)}
+    # The RNG as of this step, whenever the checkpoint completes.
+    train_state = dict(train_state, rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+    pending = PendingSave(tmp, final, step, train_state, keep, doing)
     with writing(tmp, doing), dcp_files.plain_errors(doing):
-        dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()
-    files = _checksums(tmp)
-    if rank0:
-        full_state = dict(train_state, rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-                          files=files)
-        with writing(tmp, doing), open(tmp / STATE_FILE, "w") as f:
-            json.dump(full_state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # a re-run of the same step (after a restart) replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _drop_old(ck_dir, step, keep)
-    dist.barrier()
-    return final
+        if async_group is None:
+            dcp.save(state, checkpoint_id=str(tmp))
+            return pending.complete()
+        pending.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group)
+    return pending
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose data files are written (or being written, `future`) into `tmp`; it
+    becomes complete, under its final name, only once every rank's files are done, their
+    checksums recorded and the folder renamed, so a crash or a lost node meanwhile never
+    leaves a checkpoint a resume would take."""
+
+    tmp: Path
+    final: Path
+    step: int
+    train_state: dict
+    keep: int
+    doing: str
+    future: object = None
+
+    def complete(self) -> Path:
+        """Wait for the writer, then checksums, state file and rename (a collective)."""
+        with writing(self.tmp, self.doing), dcp_files.plain_errors(self.doing):
+            if self.future is not None:
+                self.future.result()
+        dist.barrier()
+        files = _checksums(self.tmp)
+        if dist.get_rank() == 0:
+            with writing(self.tmp, self.doing), open(self.tmp / STATE_FILE, "w") as f:
+                json.dump(dict(self.train_state, files=files), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if self.final.exists():  # a re-run of the same step (after a restart) replaces it
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _drop_old(self.final.parent, self.step, self.keep)
+        dist.barrier()
+        return self.final
 
 
 def _checksums(folder: Path) -> dict:

@@ -55,6 +55,7 @@ from .run_files import (
     run_summary,
     write_summary,
 )
+from .saves import Saves
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -125,6 +126,7 @@ class Trainer:
                                                          cfg.train.objective, _row_width_multiple(cfg))
         self.objective = build_objective(cfg, device)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
+        self.saves = Saves(cfg.checkpoint, device, hangs)
         self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
         self.start_step = self._resume(resume)
 
@@ -266,25 +268,28 @@ class Trainer:
             history.append(record)
             if self.log is not None:
                 self.log.add(record)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
+            self.saves.complete_if_written()
+            if self.saves.due(step, t.steps):
                 self.hangs.where = f"saving the checkpoint of step {step}"
                 self._save(step)
         return self._finish(history, profiler)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, wait: bool = False) -> None:
         c = self.cfg.parallel
         state = {"step": step, "lr": lr_at(step, self.cfg), "data": self.sampler.state_dict(next_step=step),
                  "layout": {"world_size": self.world, "dp": c.dp, "zero": c.zero, "tp": c.tp, "pp": c.pp,
                             "cp": c.cp},
                  "inputs": self.inputs, **self.objective.checkpoint_state()}
-        save_checkpoint(self.ck_dir, step, self.pm.model, self.optimizer, state, self.cfg.checkpoint.keep)
+        self.saves.save(lambda group: save_checkpoint(self.ck_dir, step, self.pm.model, self.optimizer, state,
+                                                      self.cfg.checkpoint.keep, group), wait)
 
     def _finish(self, history: list[dict], profiler: StepProfiler) -> dict | None:
         """Final checkpoint, every rank's figures gathered; rank 0 writes the summary."""
         self.hangs.where = "the end of the run (final checkpoint, summary)"
         steps = self.cfg.train.steps
+        self.saves.complete()
         if self.start_step < steps:
-            self._save(steps)
+            self._save(steps, wait=True)
         held = self.held or state_bytes(self.pm.model, self.optimizer)
         close_optimizer(self.optimizer)
         mine = {"rank": self.rank, "peak_mem_bytes": peak_memory_bytes(self.device), **held}
@@ -298,6 +303,7 @@ class Trainer:
         self.log.close()
         summary = run_summary(self.cfg, self.world, self.counts, history, gathered, self.run_dir, self.micro_batch)
         summary.update(data_summary(self, history))
+        summary["checkpoints"] = self.saves.record()
         if self.pipeline_times is not None:
             summary["pipeline"] = bubble_report(self.pm.schedule, gathered, self.cfg.parallel,
                                                 self.pm.pipeline.n_stages, self.pm.n_microbatches)
