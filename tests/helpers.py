@@ -93,6 +93,65 @@ def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5)
                                                  f"(rel {abs(a - b) / max(abs(b), 1e-30):.2e})")
 
 
+def dump_grads(run_dir: Path, step: int = 1) -> dict:
+    """The environment (for `train(..., env=)`) under which a run writes step `step`'s gradients,
+    every rank its own file, into `grads_dir(run_dir)` (src/llmsplit/train/grad_dump.py)."""
+    return {"LLMSPLIT_DUMP_GRADS": str(grads_dir(run_dir)), "LLMSPLIT_DUMP_GRADS_STEP": str(step)}
+
+
+def grads_dir(run_dir: Path) -> Path:
+    """Beside the run folder, not in it: the run's own files stay as the trainer writes them."""
+    return Path(run_dir).with_name(Path(run_dir).name + "-grads")
+
+
+def gradients(folder: Path) -> dict:
+    """{plain parameter name: gradient} merged over the ranks' files of a dump; a parameter
+    that several ranks hold (data-parallel replicas, tensor-parallel ranks after the gather)
+    must have the same gradient on each."""
+    import torch
+
+    files = sorted(Path(folder).glob("rank*.pt"))
+    assert files, f"no gradients were dumped into {folder}"
+    merged, source = {}, {}
+    for f in files:
+        for name, grad in torch.load(f, weights_only=True).items():
+            if name in merged:
+                _assert_close_tensor(grad, merged[name], 1e-5, 1e-8, f"{name}: {f.name} vs {source[name]}")
+                continue
+            merged[name], source[name] = grad, f.name
+    return merged
+
+
+def assert_same_gradients(got_dir: Path, want_dir: Path, rtol: float = 1e-5, atol: float = 1e-8) -> None:
+    """Every parameter's gradient in the dump `got_dir` equals the one in `want_dir` (one
+    process's): the same names, and per tensor ‖got − want‖ ≤ rtol·‖want‖ + atol (L2 norms; the
+    floor `atol` for the gradients that are zero or nearly, as a LoRA A-side's at step 1). The
+    message names the worst parameter by relative error."""
+    got, want = gradients(got_dir), gradients(want_dir)
+    assert set(got) == set(want), (f"gradients of different parameters: only in {got_dir}: "
+                                   f"{sorted(set(got) - set(want))}; only in {want_dir}: {sorted(set(want) - set(got))}")
+    shapes = {name: (tuple(got[name].shape), tuple(want[name].shape)) for name in want}
+    assert all(a == b for a, b in shapes.values()), {name: s for name, s in shapes.items() if s[0] != s[1]}
+    errors = {name: _tensor_error(got[name], want[name]) for name in want}
+    failed = {name: e for name, e in errors.items() if e[0] > rtol * e[1] + atol}
+    if failed:
+        worst = max(failed, key=lambda n: failed[n][0] / max(failed[n][1], atol))
+        diff, norm = failed[worst]
+        raise AssertionError(f"{len(failed)} of {len(want)} gradients differ; worst {worst}: ‖got − want‖ = {diff:.3e}, "
+                             f"‖want‖ = {norm:.3e} (rel {diff / max(norm, atol):.2e} > rtol {rtol:g})")
+
+
+def _tensor_error(got, want) -> tuple[float, float]:
+    """‖got − want‖ and ‖want‖ (L2, in float64)."""
+    return float((got.double() - want.double()).norm()), float(want.double().norm())
+
+
+def _assert_close_tensor(got, want, rtol: float, atol: float, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shapes {tuple(got.shape)} vs {tuple(want.shape)}"
+    diff, norm = _tensor_error(got, want)
+    assert diff <= rtol * norm + atol, f"{what}: ‖got − want‖ = {diff:.3e}, ‖want‖ = {norm:.3e}"
+
+
 # Modules the template process imports once. Importing them starts no thread and runs no
 # OpenMP op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
 TEMPLATE_IMPORTS = ["torch", "torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",

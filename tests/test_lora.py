@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_close_losses, losses, run_cli, train
+from helpers import assert_close_losses, assert_same_gradients, dump_grads, grads_dir, losses, run_cli, train
 
 from llmsplit.adapters.lora import LoRALinear, apply_lora, init_lora
 from llmsplit.config import ConfigError, load_config, validate
@@ -121,7 +121,7 @@ REFERENCE_STDERR = []  # what the reference run printed
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("lora") / "run"
-    REFERENCE_STDERR.append(train(run, *MP, "train.micro_batch=8", nproc=1).stderr)
+    REFERENCE_STDERR.append(train(run, *MP, "train.micro_batch=8", nproc=1, env=dump_grads(run, step=2)).stderr)
     return run
 
 
@@ -162,8 +162,10 @@ def test_one_process_holds_gradients_and_state_of_the_adapters_only(reference):
                                               "memory.activation_checkpoint=full"])],
                          ids=["ddp", "pp2-zero1", "hybrid-checkpointed"])
 def test_layouts_log_the_single_process_loss(reference, tmp_path, nproc, sets):
-    train(tmp_path / "run", *MP, *sets, nproc=nproc)
+    train(tmp_path / "run", *MP, *sets, nproc=nproc, env=dump_grads(tmp_path / "run", step=2))
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
+    # The adapters' gradients (the base has none), at step 2: at step 1 every lora_a's is zero.
+    assert_same_gradients(grads_dir(tmp_path / "run"), grads_dir(reference))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import assert_close_losses, losses, train
+from helpers import assert_close_losses, assert_same_gradients, dump_grads, grads_dir, losses, train
 
 pytestmark = pytest.mark.slow
 
@@ -15,10 +15,16 @@ MP = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """One process; step 1's gradients dumped beside the run (helpers.grads_dir)."""
     run = tmp_path_factory.mktemp("mpref") / "run"
-    train(run, *MP, "train.micro_batch=8", nproc=1)
-    return losses(run)
+    train(run, *MP, "train.micro_batch=8", nproc=1, env=dump_grads(run))
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return losses(reference_run)
 
 
 LAYOUTS = [
@@ -76,9 +82,10 @@ def test_tp4_replicates_the_two_kv_heads(reference, tmp_path):
     assert summary["layout"]["tp"] == 4
 
 
-def test_pipeline_ranks_hold_only_their_stages(reference, tmp_path):
-    train(tmp_path / "run", *MP, "parallel.pp=2", nproc=2)
+def test_pipeline_ranks_hold_only_their_stages(reference_run, reference, tmp_path):
+    train(tmp_path / "run", *MP, "parallel.pp=2", nproc=2, env=dump_grads(tmp_path / "run"))
     assert_close_losses(losses(tmp_path / "run"), reference)
+    assert_same_gradients(grads_dir(tmp_path / "run"), grads_dir(reference_run))  # each stage's own parameters
     bubble = json.loads((tmp_path / "run" / "summary.json").read_text())["pipeline"]
     assert bubble["schedule"] == "1f1b" and bubble["microbatches"] == 4
     assert bubble["formula_bubble"] == pytest.approx(1 / 5) and bubble["unit_cost_bubble"] == pytest.approx(1 / 5)
@@ -127,9 +134,10 @@ def _one_f_one_b_p2_m4(f0: float, b0: float, f1: float, b1: float) -> float:
     return 1 - 4 * (f0 + b0 + f1 + b1) / (2 * a8)
 
 
-def test_tensor_parallel_halves_the_weights_each_rank_holds(reference, tmp_path):
-    train(tmp_path / "run", *MP, "parallel.tp=2", nproc=2)
+def test_tensor_parallel_halves_the_weights_each_rank_holds(reference_run, reference, tmp_path):
+    train(tmp_path / "run", *MP, "parallel.tp=2", nproc=2, env=dump_grads(tmp_path / "run"))
     assert_close_losses(losses(tmp_path / "run"), reference)
+    assert_same_gradients(grads_dir(tmp_path / "run"), grads_dir(reference_run))  # DTensor gradients gathered whole
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     # Of the 4·36,992 + 2·16,896 + 64 = 181,824 parameters (see above) only the 9 norms of 64
     # stay whole: each rank holds (181,824 − 576) / 2 + 576 = 91,200, in fp32.

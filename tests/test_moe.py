@@ -141,7 +141,7 @@ def test_planner_splits_experts_over_ep_and_counts_the_all_to_all():
 transformers = pytest.importorskip("transformers")
 
 import llmsplit  # noqa: E402
-from helpers import assert_close_losses, losses, run_cli, train  # noqa: E402
+from helpers import assert_close_losses, assert_same_gradients, dump_grads, grads_dir, losses, run_cli, train  # noqa: E402
 from hf_models import MOE, greedy_tokens, hf_model, make_hf_folder, transformers_loss  # noqa: E402
 
 
@@ -259,9 +259,12 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     sets = ["model.preset=tiny-moe", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4",
             "train.warmup_steps=1", "checkpoint.every=2", "train.moe_bias_rate=0.01",  # loss-free balancing on
             "model.n_shared_experts=1"]
-    train(tmp_path / "one", *sets)
-    train(tmp_path / "ep2", *sets, "parallel.ep=2", "parallel.dp_replicate=2", "parallel.zero=3", nproc=4)
-    train(tmp_path / "ep2_tp2", *sets, "parallel.ep=2", "parallel.tp=2", "parallel.zero=3", nproc=4)
+    # Step 1's gradients dumped beside the runs (helpers.grads_dir) and compared parameter by parameter.
+    train(tmp_path / "one", *sets, env=dump_grads(tmp_path / "one"))
+    train(tmp_path / "ep2", *sets, "parallel.ep=2", "parallel.dp_replicate=2", "parallel.zero=3", nproc=4,
+          env=dump_grads(tmp_path / "ep2"))
+    train(tmp_path / "ep2_tp2", *sets, "parallel.ep=2", "parallel.tp=2", "parallel.zero=3", nproc=4,
+          env=dump_grads(tmp_path / "ep2_tp2"))
     ck = {name: str(tmp_path / name / "checkpoints" / "step_2") for name in ("one", "ep2")}
     train(tmp_path / "ep4", *sets, "parallel.ep=4", "parallel.zero=2", nproc=4, extra=("--resume", ck["ep2"]))
     train(tmp_path / "ep2_pp2", *sets, "parallel.ep=2", "parallel.pp=2", "parallel.zero=3", nproc=4,
@@ -269,6 +272,8 @@ def test_expert_parallel_equals_one_process_and_resumes_across_degrees(tmp_path)
     one = losses(tmp_path / "one")
     assert_close_losses(losses(tmp_path / "ep2"), one)
     assert_close_losses(losses(tmp_path / "ep2_tp2"), one)
+    for name in ("ep2", "ep2_tp2"):  # the experts' gradients gathered over ep, the rest over FSDP (and tp)
+        assert_same_gradients(grads_dir(tmp_path / name), grads_dir(tmp_path / "one"))
     for name in ("ep4", "ep2_pp2"):
         assert_close_losses(losses(tmp_path / name), one[2:])
     rows = {name: [json.loads(line)["tokens_per_expert"] for line in (tmp_path / name / "metrics.jsonl").open()]

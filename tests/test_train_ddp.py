@@ -9,16 +9,18 @@ import pytest
 from llmsplit.launch import free_port, start_method
 from llmsplit.launch.workers import _root_failure
 
-from helpers import TINY, assert_close_losses, losses, run_cli, train
+from helpers import (TINY, Trace, assert_close_losses, assert_same_gradients, dump_grads, grads_dir, losses, run_cli,
+                     train)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, no accumulation: the numbers every layout must reproduce."""
+    """One process, no accumulation: the numbers every layout must reproduce (and step 1's
+    gradients, dumped beside the run: helpers.grads_dir)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    train(run, *TINY, "train.micro_batch=8", "train.steps=6", "checkpoint.every=3", nproc=1)
+    train(run, *TINY, "train.micro_batch=8", "train.steps=6", "checkpoint.every=3", nproc=1, env=dump_grads(run))
     return run
 
 
@@ -50,11 +52,30 @@ def test_run_files_follow_the_spec(reference):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ddp_logs_the_single_process_loss_at_every_step(reference, tmp_path, nproc):
-    train(tmp_path / "run", *TINY, "train.steps=6", nproc=nproc)
+    train(tmp_path / "run", *TINY, "train.steps=6", nproc=nproc, env=dump_grads(tmp_path / "run"))
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
+    assert_same_gradients(grads_dir(tmp_path / "run"), grads_dir(reference))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == nproc and len(summary["per_rank"]) == nproc
     assert len({r["param_bytes"] for r in summary["per_rank"]}) == 1  # DDP: every rank holds everything
+
+
+@pytest.mark.parametrize("mutation", ["double_grads:1", "skip_dp_divide"])
+def test_the_comparisons_catch_a_planted_gradient_bug(reference, tmp_path, mutation):
+    """The comparisons every layout test relies on fail on a planted bug (grad_dump.py): rank
+    1's gradients doubled before the all-reduce (its loss, so step 1's logged loss, unchanged),
+    or each rank's loss not divided by its data-parallel share (gradients and loss 1/2)."""
+    run = tmp_path / "run"
+    train(run, *TINY, "train.steps=2", nproc=2, env={"LLMSPLIT_MUTATE": mutation, **dump_grads(run)})
+    got, want = losses(run), losses(reference)[:2]
+    if mutation.startswith("double_grads"):
+        assert abs(got[0] - want[0]) <= 1e-5 * want[0]  # what a loss-only comparison would have passed
+    with pytest.raises(AssertionError, match="grad norm"):  # the norms alone catch it
+        assert_close_losses(Trace(want, got.grad_norms), want)
+    with pytest.raises(AssertionError):
+        assert_close_losses(got, want)
+    with pytest.raises(AssertionError, match=r"^(\d+) of \1 gradients differ; worst "):  # every one of them
+        assert_same_gradients(grads_dir(run), grads_dir(reference))
 
 
 def test_gradient_accumulation_gives_the_same_loss(reference, tmp_path):

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, assert_close_losses, losses, run_cli, train
+from helpers import TINY, assert_close_losses, assert_same_gradients, dump_grads, grads_dir, losses, run_cli, train
 from llmsplit.cli import main
 
 STEPS = 5
 BASE = [*TINY, f"train.steps={STEPS}"]
+# The runs that dump step 1's gradients beside their folders (helpers.grads_dir), compared
+# parameter by parameter: ZeRO-3 stands for the sharded layouts.
+DUMPS_GRADIENTS = {"one_process", "zero3"}
 
 
 def _summary(run_dir: Path) -> dict:
@@ -35,7 +38,8 @@ def run(tmp_path_factory):
 
     def _run(name: str, *sets: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> Path:
         if name not in done:
-            train(root / name, *BASE, *sets, nproc=nproc, extra=extra)
+            env = dump_grads(root / name) if name in DUMPS_GRADIENTS else None
+            train(root / name, *BASE, *sets, nproc=nproc, extra=extra, env=env)
             done[name] = root / name
         return done[name]
 
@@ -79,6 +83,8 @@ def _layout_run(run, name: str, offload_dir: Path) -> Path:
 def test_same_loss_as_one_process(run, reference, offload_dir, name):
     run_dir = _layout_run(run, name, offload_dir)
     assert_close_losses(losses(run_dir), reference)
+    if name in DUMPS_GRADIENTS:
+        assert_same_gradients(grads_dir(run_dir), grads_dir(run.root / "one_process"))
     summary = _summary(run_dir)
     nproc, sets = LAYOUTS[name]
     assert summary["world_size"] == nproc

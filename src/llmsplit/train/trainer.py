@@ -38,6 +38,7 @@ from .batch_trial import confirm_micro_batch, memory_limit, moment_bytes
 from .bubble import PipelineTimes, bubble_report
 from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluate import data_summary, evaluate
+from .grad_dump import dump_gradients, loss_divisor, planted_loss
 from .hangs import HangReporter
 from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
@@ -161,13 +162,13 @@ class Trainer:
         return step
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.objective.loss(logits, targets, self.denominator)
+        return planted_loss(self.objective.loss(logits, targets, self.denominator), self.rank)  # grad_dump.py
 
     def use_denominator(self, loss_tokens: int) -> None:
         """Divide the losses that follow by this rank's share of `loss_tokens`, the tokens with
         loss in the global batch (a batch without any gives loss 0, not 0/0): one of dp × cp,
         whose gradients and losses the data-parallel reduction averages."""
-        self.denominator = max(loss_tokens, 1) / self.mesh.size("dp_cp")
+        self.denominator = max(loss_tokens, 1) / loss_divisor(self.mesh)  # dp × cp: see grad_dump.py
 
     def local_rows(self, batch: Batch) -> Batch:
         """What this rank computes of its data-parallel rows: all of them, or under context
@@ -227,6 +228,7 @@ class Trainer:
         self.use_denominator(self.sampler.loss_tokens(step - 1))
         loss_sum = self.forward_backward(batch)
         pm.sync_gradients()
+        dump_gradients(pm.model, step, self.rank)  # LLMSPLIT_DUMP_GRADS (tests only): grad_dump.py
         grad_norm = pm.clip_gradients(optimizer, cfg.train.grad_clip)
         pm.optimizer_step(optimizer)
         if step == cfg.train.steps:
