@@ -154,7 +154,7 @@ def test_resume_moves_optimizer_state_between_modes(run, reference, offload_dir)
 def test_full_checkpointing_lowers_peak_memory(run):
     """A long sequence makes activations dominate; recomputing blocks must show."""
     long = ["model.dim=256", "model.n_layers=6", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=688",
-            "model.max_seq_len=512", "data.seq_len=512", "train.global_batch=8", "train.micro_batch=8",
+            "model.max_seq_len=512", "data.seq_len=512", "train.global_batch=4", "train.micro_batch=4",
             "train.steps=2"]
     plain = run("long_none", *long, nproc=1)
     full = run("long_full", *long, "memory.activation_checkpoint=full", nproc=1)
