@@ -65,14 +65,19 @@ def read_conversations(path: Path) -> list[list[dict]]:
     return out
 
 
-def _conversation(line: str, where: str) -> list[dict]:
+def json_row(line: str, where: str, keys: str) -> dict:
+    """One JSONL line as an object; `keys` says what it should hold, for the message."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError:
-        raise ConfigError(f"{where} is not valid JSON; each line must be an object with \"messages\" or "
-                          f"\"prompt\" and \"completion\"") from None
+        raise ConfigError(f"{where} is not valid JSON; each line must be an object with {keys}") from None
     if not isinstance(row, dict):
-        raise ConfigError(f"{where} is not a JSON object; give it \"messages\" or \"prompt\" and \"completion\"")
+        raise ConfigError(f"{where} is not a JSON object; give it {keys}")
+    return row
+
+
+def _conversation(line: str, where: str) -> list[dict]:
+    row = json_row(line, where, "\"messages\" or \"prompt\" and \"completion\"")
     if "messages" in row:
         messages = row["messages"]
     elif "prompt" in row and "completion" in row:

@@ -18,7 +18,6 @@ pair's reference log-probs with it wherever the layout computes that loss (train
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .chat import ROLES, encode_conversation
+from .chat import ROLES, encode_conversation, json_row
 from .loader import IGNORE, Batch, BatchSampler
 
 NO_PAIR = -1  # the pair index of filler rows (the last batch of an evaluation), which carry no loss
@@ -80,13 +79,7 @@ def _rows(files: list[Path], key: str):
 
 def _pair(line: str, where: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt messages, chosen messages, rejected messages) of one row."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        raise ConfigError(f"{where} is not valid JSON; each line must be an object with \"prompt\", \"chosen\" and "
-                          f"\"rejected\"") from None
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where} is not a JSON object; give it \"prompt\", \"chosen\" and \"rejected\"")
+    row = json_row(line, where, "\"prompt\", \"chosen\" and \"rejected\"")
     for name in ("chosen", "rejected"):
         if name not in row:
             raise ConfigError(f"{where} has no \"{name}\"; every row of a DPO run needs \"prompt\" (or \"messages\"), "
