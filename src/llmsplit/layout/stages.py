@@ -80,4 +80,15 @@ def rank_layers(cfg: LlamaConfig, layout: Layout, pp_rank: int) -> list[list[int
 
 def rank_layer_counts(cfg: LlamaConfig, layout: Layout) -> tuple[int, ...]:
     """How many decoder layers each pipeline rank holds."""
-    return tuple(sum(len(s) for s in rank_layers(cfg, layout, r)) for r in range(layout.pp))
+    costs, embed, head = layer_costs(cfg)
+    return _rank_layer_counts(tuple(costs), embed, head, layout.n_stages, layout.pp_schedule, layout.pp,
+                              layout.pp_virtual_stages)
+
+
+@lru_cache(maxsize=1024)
+def _rank_layer_counts(costs: tuple[float, ...], embed: float, head: float, n_stages: int, schedule: str, pp: int,
+                       virtual_stages: int) -> tuple[int, ...]:
+    # The planner asks this of every candidate layout, for each of its stages' memory (a 64-GPU
+    # plan: 124k times, 34 of its 42 s before the cache).
+    per_stage = _balanced(costs, embed, head, n_stages)
+    return tuple(sum(len(per_stage[s]) for s in stage_ids_of_rank(schedule, r, pp, virtual_stages)) for r in range(pp))
