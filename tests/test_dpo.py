@@ -212,3 +212,27 @@ def test_lora_under_zero3_resumes_a_single_process_checkpoint(one, tmp_path):
     train(tmp_path / "run", *SETS, one[0], "lora.rank=4", "parallel.zero=3", nproc=2,
           extra=("--resume", str(one[2] / "checkpoints" / "step_2")))
     _assert_same_run(tmp_path / "run", one[2], first_step=3)
+
+
+def test_the_planner_counts_a_pair_as_two_sequences():
+    """train.micro_batch counts pairs under DPO: the planner's activations and tokens per step are
+    those of twice as many sequences as the same numbers of SFT samples."""
+    from dataclasses import replace
+
+    from llmsplit.config import layout_of, load_config, model_config, workload_of
+    from llmsplit.plan.cost import training_cost
+    from llmsplit.plan.hardware import get_device
+    from llmsplit.plan.memory import memory_per_device
+
+    sft = load_config(None, ["data.seq_len=1024", "train.global_batch=8", "train.micro_batch=2", "parallel.dp=1"])
+    dpo = load_config(None, ["data.seq_len=1024", "train.global_batch=8", "train.micro_batch=2", "parallel.dp=1",
+                             "train.objective=dpo"])
+    model, device = model_config(sft, 258), get_device("H100-80GB")
+    works = [workload_of(c) for c in (sft, dpo)]
+    assert [w.rows_per_sample for w in works] == [1, 2]
+    layout = layout_of(sft, 1)
+    acts = [memory_per_device(model, layout, w, device).activations for w in works]
+    assert acts[1] == pytest.approx(2 * acts[0], rel=0.05)
+    costs = [training_cost(model, layout, w, device) for w in works]
+    assert costs[1].tokens_per_s == pytest.approx(costs[0].tokens_per_s, rel=0.05)  # twice the tokens, twice the time
+    assert replace(works[1], rows_per_sample=1) == works[0]

@@ -53,7 +53,7 @@ def _ring(nbytes: float, n: int, bw: float) -> float:
 
 def training_cost(cfg: LlamaConfig, layout: Layout, work: Workload, device: Device) -> StepCost:
     s, m = work.seq_len, microbatches(layout, work)
-    tokens_step = work.global_batch * s
+    tokens_step = work.global_batch * work.rows_per_sample * s
     per_token = model_flops_per_token(cfg, s)
     matmul_s, elementwise_s = _compute_times(cfg, layout, work, device, per_token)
     compute_s = matmul_s + elementwise_s
@@ -81,7 +81,7 @@ def _compute_times(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
                    per_token: float) -> tuple[float, float]:
     """(matmul seconds, elementwise seconds) of one rank's step."""
     s, m = work.seq_len, microbatches(layout, work)
-    tokens_step = work.global_batch * s
+    tokens_step = work.global_batch * work.rows_per_sample * s
     model_flops = per_token * tokens_step / layout.world
     # Recomputation: full re-runs every block's forward (+1/3 of the block FLOPs);
     # selective re-runs attention's forward (the matmul outputs are kept).
@@ -93,7 +93,8 @@ def _compute_times(cfg: LlamaConfig, layout: Layout, work: Workload, device: Dev
     # Elementwise work (norms, rope, SiLU, casts, their backward) streams the saved
     # activations about three times: written in forward, read and written in backward.
     layers = max(rank_layer_counts(cfg, layout))  # the fullest stage sets the pace
-    per_layer = layer_activation_bytes(cfg, layout.micro_batch, s // layout.cp, layout, compute_pattern(layout, work))
+    per_layer = layer_activation_bytes(cfg, layout.micro_batch * work.rows_per_sample, s // layout.cp, layout,
+                                       compute_pattern(layout, work))
     elementwise_s = 3 * per_layer * layers * m / (device.mem_bw / (device.gpus_per_node if device.kind == "cpu" else 1))
     return matmul_s, elementwise_s
 
@@ -130,12 +131,12 @@ def _model_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, devic
     s, m, c, t, p = work.seq_len // layout.cp, microbatches(layout, work), work.compute_bytes, layout.tp, layout.pp
     tp_s = pp_s = 0.0
     if t > 1:  # two collectives per layer forward, two in backward, none hidden
-        act = layout.micro_batch * s * cfg.dim * c
+        act = layout.micro_batch * work.rows_per_sample * s * cfg.dim * c
         tp_s = 4 * max(rank_layer_counts(cfg, layout)) * m * 2 * _ring(act, t, _bw(device, t))
         if layout.activation_checkpoint == "full":
             tp_s *= 1.5  # the recomputed forward repeats its two
     if p > 1:  # pipeline sends: on the critical path once per micro-batch per boundary
-        act = layout.micro_batch * s * cfg.dim * c / (t if layout.sp else 1)
+        act = layout.micro_batch * work.rows_per_sample * s * cfg.dim * c / (t if layout.sp else 1)
         pp_s = 2 * (m + p - 1) * (act / _bw(device, t * layout.dp * p) + COLLECTIVE_LATENCY_S)
     return tp_s, pp_s
 
@@ -150,7 +151,7 @@ def _context_parallel_comm(cfg: LlamaConfig, layout: Layout, work: Workload, dev
     cp, t = layout.cp, layout.tp
     if cp == 1:
         return 0.0
-    tokens = layout.micro_batch * work.seq_len // cp
+    tokens = layout.micro_batch * work.rows_per_sample * work.seq_len // cp
     calls = max(rank_layer_counts(cfg, layout)) * microbatches(layout, work)
     kv, h, c = cfg.n_kv_heads * cfg.head_dim / t, cfg.n_heads * cfg.head_dim / t, work.compute_bytes
     bw = _bw(device, t * cp)  # the cp ranks of one tp rank lie tp apart (parallel/mesh.py)

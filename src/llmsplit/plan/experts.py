@@ -24,7 +24,7 @@ def expert_params_per_rank(cfg: LlamaConfig, ep: int) -> int:
 
 def _routed_rows(cfg: LlamaConfig, layout: Layout, work: Workload) -> int:
     """Copies of tokens a rank routes per MoE layer and micro-batch (k per token)."""
-    return layout.micro_batch * work.seq_len * cfg.experts_per_token
+    return layout.micro_batch * work.rows_per_sample * work.seq_len * cfg.experts_per_token
 
 
 def _row_exchanges(cfg: LlamaConfig, layout: Layout, work: Workload) -> tuple[int, int]:

@@ -238,7 +238,8 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     n_params = sp_["layers"] + sp_["embedding"] + sp_["head"] + sp_["final_norm"] + adapters
     pattern = compute_pattern(layout, work)
     c = work.compute_bytes
-    b, s = layout.micro_batch, work.seq_len // layout.cp  # a cp rank holds its share of every sequence
+    # A micro-batch's sequences (a DPO pair is two); a cp rank holds its share of each.
+    b, s = layout.micro_batch * work.rows_per_sample, work.seq_len // layout.cp
     m = microbatches(layout, work)
     layers = sp_["n_layers"]
     fused = device.kind == "cpu" or work.precision != "fp32"
@@ -338,7 +339,7 @@ def _comm_buffers(cfg: LlamaConfig, layout: Layout, work: Workload, stage: dict,
             # Without gradient sync (every micro-batch but the last) FSDP2 keeps each
             # block's unsharded gradient, upcast to the fp32 reduce dtype, until the last.
             out["accumulated_unsharded_grads"] = FP32 * trained
-    tokens = layout.micro_batch * work.seq_len // layout.cp
+    tokens = layout.micro_batch * work.rows_per_sample * work.seq_len // layout.cp
     if layout.cp > 1:
         out["cp_attention"] = context_buffer_bytes(cfg, layout, tokens, c)
     if layout.tp > 1:
