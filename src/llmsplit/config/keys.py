@@ -16,7 +16,7 @@ from ..models.weight_shapes import VALUE_CHOICES
 from .checks import CHOICES
 from .data import FORMATS, LOSS_ON
 from .lora import BASES, TARGET_NAMES
-from .objective import DPO_LOSSES, OBJECTIVES
+from .objective import DPO_LOSSES, GRPO_LOSSES, OBJECTIVES
 from .sections import FINETUNE_DEFAULTS, LORA_LR, Config
 
 DOCS = {
@@ -61,10 +61,13 @@ DOCS = {
     "data.loss_on": "the tokens that carry loss: the assistant's turns, or all",
     "data.eval_source": "held-out data, in the same form as data.source",
     "data.eval_fraction": "this share of the source's documents (the last ones) held out instead",
-    "train.objective": "what training minimises: next-token loss (sft) or the DPO loss on preference pairs (dpo)",
+    "train.objective": "what training minimises: next-token loss (sft), the DPO loss on preference pairs (dpo), "
+                       "or GRPO's loss on completions scored by reward functions (grpo)",
     "train.steps": "optimizer steps",
-    "train.global_batch": "sequences per optimizer step, over all data-parallel ranks (dpo: preference pairs)",
-    "train.micro_batch": "sequences a rank computes at a time, gradients accumulate over the rest (dpo: pairs)",
+    "train.global_batch": "sequences per optimizer step, over all data-parallel ranks (dpo: preference pairs; "
+                          "grpo: completions, grpo.num_generations per prompt)",
+    "train.micro_batch": "sequences a rank computes at a time, gradients accumulate over the rest (dpo: pairs; "
+                         "grpo: completions)",
     "train.lr": "peak learning rate, reached after train.warmup_steps",
     "train.min_lr_ratio": "the schedule ends at train.lr times this",
     "train.warmup_steps": "steps of linear warmup from 0 to train.lr",
@@ -112,6 +115,17 @@ DOCS = {
     "dpo.beta": "how far the policy may move from the reference: the loss's inverse temperature",
     "dpo.loss": "sigmoid (DPO) or ipo (IPO, on the replies' mean token log-probs)",
     "dpo.label_smoothing": "the assumed chance that a pair's preference is wrong (conservative DPO; sigmoid only)",
+    "grpo.rewards": "reward functions, each \"module:function\" or \"path/to/file.py:function\", called as "
+                    "f(prompts, completions, **columns) -> a number per completion",
+    "grpo.reward_weights": "the weight of each reward function in the reward a completion gets",
+    "grpo.num_generations": "completions sampled per prompt; each one's advantage is relative to its group's",
+    "grpo.epsilon": "the clip range: the probability ratio of a token is clipped to 1 +- epsilon",
+    "grpo.beta": "times the KL divergence to the reference model in the loss (0: no reference kept)",
+    "grpo.loss": "grpo (each completion's token losses averaged) or dr_grpo (summed, divided by "
+                 "grpo.max_completion_tokens)",
+    "grpo.max_completion_tokens": "tokens a completion may have; generation stops there",
+    "grpo.temperature": "the sampling temperature of the completions",
+    "grpo.top_p": "nucleus sampling of the completions: the smallest set of tokens with this much probability",
     "lora.init": "a PEFT adapter folder, or a LoRA run or checkpoint, to start the adapters from",
 }
 
@@ -123,8 +137,8 @@ def allowed_values() -> dict[str, str]:
     """The fixed values of each key that has them, as `--help-config` says them."""
     one_of = {**CHOICES, "parallel.pp_schedule": SCHEDULES, "memory.activation_checkpoint": CHECKPOINTING,
               "memory.offload": OFFLOADS, "data.format": FORMATS, "data.loss_on": LOSS_ON, "lora.base": BASES,
-              "train.objective": OBJECTIVES, "dpo.loss": DPO_LOSSES, "parallel.cp_mode": CP_MODES,
-              "parallel.zero": ("0", "1", "2", "3"), "model.preset": tuple(PRESETS),
+              "train.objective": OBJECTIVES, "dpo.loss": DPO_LOSSES, "grpo.loss": GRPO_LOSSES,
+              "parallel.cp_mode": CP_MODES, "parallel.zero": ("0", "1", "2", "3"), "model.preset": tuple(PRESETS),
               **{f"model.{name}": values for name, values in VALUE_CHOICES.items()}}
     said = {key: f"one of {', '.join(values)}" for key, values in one_of.items()}
     return {**said, "lora.targets": f"a comma-separated list of {', '.join(TARGET_NAMES)}"}
@@ -140,6 +154,7 @@ def context_defaults() -> dict[str, str]:
         "data.tokenizer": f"({weights}: the model's)",
         "data.format": "(chat with train.objective dpo)",
         "data.loss_on": "(assistant with data.format chat, else all)",
+        "grpo.reward_weights": "(1.0 for each of grpo.rewards)",
         "parallel.sequence_parallel": "(true when tp > 1)",
         "parallel.pp_microbatches": "(global_batch / (dp x micro_batch))",
         "memory.limit_bytes": "(the device's own memory)",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from ..models.llama import LlamaConfig
 from .data import DataSection
 from .lora import LoraSection
-from .objective import DpoSection
+from .objective import DpoSection, GrpoSection
 
 # [model]: where the model comes from, then every field of the model's config (LlamaConfig),
 # each unset (None) unless a file or --set names it: explicit sizes override the preset, and a
@@ -29,7 +29,7 @@ LORA_LR = 2e-4
 
 @dataclass
 class TrainSection:
-    objective: str = "sft"  # "sft": next-token loss; "dpo": preference pairs (config/objective.py)
+    objective: str = "sft"  # "sft": next-token loss; "dpo": preference pairs; "grpo": rewards (config/objective.py)
     steps: int = 120
     global_batch: int = 16
     micro_batch: int = 8
@@ -102,6 +102,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
 
     def __post_init__(self):
         self.explicit: set[str] = set()  # keys a file or --set named (defaults for fine-tuning fill the others)

@@ -90,6 +90,8 @@ def _parse_value(text: str):
 
 
 def _coerce(key: str, value, annotation):
+    if annotation.startswith("list["):
+        return _coerce_list(key, value, annotation)
     typ = _base_type(annotation)
     optional = annotation.endswith("| None")
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "")):
@@ -117,6 +119,25 @@ def _coerce(key: str, value, annotation):
     raise AssertionError(f"unhandled type {annotation} for {key}")
 
 
+def _coerce_list(key: str, value, annotation: str) -> list:
+    """A TOML list (in a file, or `--set KEY=[...]`), each item of the list's item type. A lone
+    value is a list of one, so `--set grpo.rewards=rewards.py:correct` needs no shell quoting."""
+    item = annotation[len("list["):-1]
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list):
+        value = [value]
+    try:
+        return [_coerce(key, v, item) for v in value]
+    except ConfigError:
+        raise ConfigError(f"{key} must be a list of {_ITEM_NAMES[item]}, e.g. {key}={_EXAMPLES[item]}; "
+                          f"got {value!r}") from None
+
+
+_ITEM_NAMES = {"str": "strings", "float": "numbers", "int": "integers"}
+_EXAMPLES = {"str": '["a", "b"]', "float": "[1.0, 0.5]", "int": "[1, 2]"}
+
+
 def _base_type(annotation: str):
     # Field annotations are strings here (`from __future__ import annotations`): "int | None".
     name = annotation.split("|")[0].strip()
@@ -136,6 +157,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -89,6 +89,11 @@ def _conversation(line: str, where: str) -> list[dict]:
     else:
         raise ConfigError(f"{where} has neither \"messages\" nor \"prompt\" and \"completion\"; data.format=\"chat\" "
                           f"reads those (use data.format=\"text\" for rows with \"text\")")
+    return check_messages(messages, where)
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """`messages` if it is a non-empty list of messages with known roles, else refused."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: the messages must be a non-empty list of {{\"role\", \"content\"}} objects")
     for m in messages:

@@ -1,5 +1,5 @@
-"""The samplers a run's [data] section asks for: training rows, and the held-out rows that
-evaluation reads (data.eval_source, or the last data.eval_fraction of the source)."""
+"""The samplers a run's [data] section asks for: training rows (GRPO: prompts), and the held-out
+rows that evaluation reads (data.eval_source, or the last data.eval_fraction of the source)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .corpus import check_tokenizer, expand_glob, load_tokens
 from .loader import BatchSampler
 from .packing import PackedSampler
 from .preference import PreferencePairs, PreferenceSampler, check_preference_files, read_preference_files
+from .prompts import PromptSampler, check_prompt_files, read_prompt_files
 
 
 def build_samplers(data: DataSection, global_batch: int, seed: int, tokenizer, objective: str = "sft",
@@ -48,15 +49,40 @@ def _preference_samplers(data: DataSection, global_batch: int, seed: int, tokeni
     held = read_preference_files(jsonl_files(data.eval_source, "data.eval_source"), tokenizer, "data.eval_source") \
         if data.eval_source else None
     if data.eval_fraction > 0:
-        n = len(pairs)
-        cut = n - max(1, math.ceil(n * data.eval_fraction))
-        if cut < 1:
-            raise ConfigError(f"data.eval_fraction={data.eval_fraction} holds out all {n} pairs; lower it or add data")
+        cut = _held_out_cut(len(pairs), data.eval_fraction, "pairs")
         held = PreferencePairs(pairs.chosen[cut:], pairs.rejected[cut:])
         pairs = PreferencePairs(pairs.chosen[:cut], pairs.rejected[:cut])
     pad = tokenizer.eos_id or 0
     make = lambda p: PreferenceSampler(p, data.seq_len, global_batch, seed, pad, width_multiple)
     return make(pairs), (make(held) if held is not None else None)
+
+
+def build_prompt_samplers(data: DataSection, prompts_per_step: int, seed: int, tokenizer):
+    """GRPO's prompts (data/prompts.py): (training sampler, sampler of the held-out prompts or
+    None), held out like DPO's pairs (the last ones); the held-out sampler's step is all of them."""
+    prompts = read_prompt_files(jsonl_files(data.source, "data.source", "grpo"), tokenizer)
+    held = read_prompt_files(jsonl_files(data.eval_source, "data.eval_source", "grpo"), tokenizer,
+                             "data.eval_source") if data.eval_source else None
+    if data.eval_fraction > 0:
+        cut = _held_out_cut(len(prompts), data.eval_fraction, "prompts")
+        prompts, held = prompts[:cut], prompts[cut:]
+    return (PromptSampler(prompts, prompts_per_step, seed),
+            PromptSampler(held, len(held), seed) if held is not None else None)
+
+
+def _held_out_cut(n: int, fraction: float, what: str) -> int:
+    """Where the last `fraction` of n rows (at least one) begins; at least one row stays to train."""
+    cut = n - max(1, math.ceil(n * fraction))
+    if cut < 1:
+        raise ConfigError(f"data.eval_fraction={fraction} holds out all {n} {what}; lower it or add data")
+    return cut
+
+
+def check_prompt_source(data: DataSection) -> None:
+    """The prompt rows' shape, checked by the launcher before any worker starts."""
+    check_prompt_files(jsonl_files(data.source, "data.source", "grpo"))
+    if data.eval_source:
+        check_prompt_files(jsonl_files(data.eval_source, "data.eval_source", "grpo"), "data.eval_source")
 
 
 def check_preference_source(data: DataSection) -> None:
@@ -66,12 +92,17 @@ def check_preference_source(data: DataSection) -> None:
         check_preference_files(jsonl_files(data.eval_source, "data.eval_source"), "data.eval_source")
 
 
-def jsonl_files(source: str, key: str) -> list[Path]:
+# What each objective that reads JSONL rows reads, for the message refusing other files.
+JSONL_ROWS = {"dpo": "rows of \"prompt\", \"chosen\" and \"rejected\"",
+              "grpo": "rows with a \"prompt\" (text or messages)"}
+
+
+def jsonl_files(source: str, key: str, objective: str = "dpo") -> list[Path]:
     if source.startswith("text:"):
         return expand_glob(source[len("text:"):], key)
     if not source.endswith(".jsonl"):
-        raise ConfigError(f"{key}={source!r} is not a .jsonl file; train.objective=\"dpo\" reads JSONL rows of "
-                          f"\"prompt\", \"chosen\" and \"rejected\"")
+        raise ConfigError(f"{key}={source!r} is not a .jsonl file; train.objective=\"{objective}\" reads JSONL "
+                          f"{JSONL_ROWS[objective]}")
     return [Path(source)]
 
 
