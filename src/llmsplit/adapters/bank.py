@@ -63,6 +63,17 @@ class AdapterBank:
             model.get_submodule(layer).register_forward_hook(
                 lambda module, args, out, stack=stack: self._add(args[0], out, *stack), prepend=True)
         self.adapted = sorted({layer.split(".")[1] for layer in per_layer}, key=int)  # layer ids with adapters
+        self.layers = list(per_layer)  # the adapted projections, in the order of `stacked`
+
+    @torch.no_grad()
+    def replace(self, state: dict[str, torch.Tensor], scale: float) -> None:
+        """Overwrite the one adapter of this bank in place with `state` (as `attach` takes it):
+        GRPO's policy after each optimizer step (posttrain/handover.py), with the hooks, and a
+        compiled graph's static inputs, left as they are."""
+        assert len(self.names) == 1, "replace: a bank of one adapter"
+        for layer, (a, b, _) in zip(self.layers, self.stacked):
+            a.copy_(state[f"{layer}.lora_a"])
+            b.copy_(state[f"{layer}.lora_b"] * scale)
 
     def set_rows(self, rows: torch.Tensor | None) -> None:
         """The adapter of each token row of the next forward ([tokens], 0 for the base), in the

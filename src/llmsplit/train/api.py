@@ -45,6 +45,10 @@ class TrainJob:
     resume_changed: bool = False  # --resume-changed: the inputs may differ from the checkpoint's
     resume_changes: dict = field(default_factory=dict)  # what differs (resume_check.resume_changes), for the summary
     overwrite: bool = False  # --overwrite: the run that --run-dir holds is moved aside and the folder started over
+    # The workers' entry point and the modules their processes import first: train.entry.run_worker
+    # (None), or a room above training's that extends the trainer (posttrain/entry.py, for GRPO).
+    entry: object = None
+    preload: tuple[str, ...] = ("llmsplit.train.trainer",)
 
 
 @dataclass
@@ -323,7 +327,7 @@ def _run_in_torchrun(job: TrainJob, run_dir: Path) -> TrainResult:
     from .limits import MemoryLimitExceeded
 
     try:
-        summary = run_worker(*_worker_args(job, run_dir))
+        summary = (job.entry or run_worker)(*_worker_args(job, run_dir))
     except MemoryLimitExceeded as e:
         raise TrainingFailed(str(e), out_of_memory=e.details) from None
     return TrainResult(run_dir if summary is not None else job.run_dir, summary)
@@ -341,10 +345,9 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
     print(f"llmsplit: training on {job.world} worker(s) ({nproc} on this machine); run dir "
           f"{run_dir or '(chosen by node 0)'}", file=sys.stderr, flush=True)
     try:
-        returned = launch(run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
+        returned = launch(job.entry or run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
                           node_rank=w.node_rank, master_addr=w.master_addr, master_port=w.master_port,
-                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s,
-                          preload=("llmsplit.train.trainer",))
+                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s, preload=job.preload)
     except Exception as e:
         resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
         # torch records each worker's error in a file under the temporary folder: on a full

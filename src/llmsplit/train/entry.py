@@ -17,11 +17,19 @@ from ..launch import worker_entry
 @worker_entry
 def run_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
     """Entry point of one worker process (started by llmsplit's launcher or torchrun)."""
+    from .trainer import Trainer
+
+    return run_trainer(Trainer, config_text, run_dir, resume)
+
+
+def run_trainer(trainer_class, config_text: str, run_dir: str | None, resume: str) -> dict | None:
+    """A worker's run with `trainer_class` (the Trainer, or a room above that extends it:
+    posttrain/entry.py)."""
     from ..launch import PEER_GONE
     from .trainer import train_worker
 
     try:
-        return train_worker(config_text, run_dir, resume)
+        return train_worker(config_text, run_dir, resume, trainer_class)
     except RuntimeError as e:
         if any(s in str(e) for s in PEER_GONE):
             # Another rank died and took the connection with it. The launcher reports the

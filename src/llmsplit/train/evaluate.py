@@ -51,12 +51,13 @@ def forward_passes(trainer, sampler):
 def data_summary(trainer, history: list[dict]) -> dict:
     """summary.json's data figures: the share of target tokens that carry loss (and, for
     packed rows, of padding), and the last evaluation's loss and perplexity."""
-    out = {"loss_token_fraction": trainer.sampler.loss_fraction()}
+    fraction = getattr(trainer.sampler, "loss_fraction", None)  # prompts (GRPO) have none
+    out = {"loss_token_fraction": fraction()} if fraction is not None else {}
     padding = getattr(trainer.sampler, "padding_fraction", None)
     if padding is not None:
         out["padding_fraction"] = padding()
         out["truncated_documents"] = trainer.sampler.truncated
-    evaluated = [r for r in history if "eval_loss" in r]
+    evaluated = [r for r in history if any(key.startswith("eval_") for key in r)]
     if evaluated:
         out.update({key: value for key, value in evaluated[-1].items() if key.startswith("eval_")})
     return out

@@ -2,7 +2,8 @@
 micro-batch wherever the layout computes it (the loop, or the pipeline's last stage), for the
 figures a step adds to metrics.jsonl, and for what an evaluation reports.
 
-"sft" is the next-token loss every run trained with before; "dpo" is train/dpo.py.
+"sft" is the next-token loss every run trained with before; "dpo" is train/dpo.py; "grpo" is
+train/grpo.py (its rows come from posttrain/, which generates them with the engine).
 """
 
 from __future__ import annotations
@@ -52,4 +53,8 @@ def build_objective(cfg, device: torch.device):
         from .dpo import PreferenceObjective
 
         return PreferenceObjective(cfg.dpo, device)
+    if cfg.train.objective == "grpo":
+        from .grpo import GroupRelativeObjective
+
+        return GroupRelativeObjective(cfg.grpo, device)
     return NextTokenObjective()

@@ -58,7 +58,7 @@ def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> Non
         rows.append(("data", f"{summary['loss_token_fraction']:.1%} of target tokens carry loss, "
                              f"{summary['padding_fraction']:.1%} padding, {summary['truncated_documents']} "
                              f"documents cut to data.seq_len + 1"))
-    if "eval_loss" in summary:
+    if "eval_loss" in summary or "eval_reward" in summary:
         rows.append(("eval", _eval_text(summary).strip().removeprefix("eval ")))
     for r in summary["per_rank"]:
         rows.append((f"rank {r['rank']}", f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  params "
@@ -69,6 +69,8 @@ def print_summary(summary: dict, run_dir: Path, first_loss: float | None) -> Non
 
 
 def _eval_text(rec: dict) -> str:
+    if "eval_reward" in rec:  # GRPO
+        return f"  eval reward {rec['eval_reward']:.4f}"
     if "eval_loss" not in rec:
         return ""
     if "eval_ppl" in rec:
@@ -78,7 +80,10 @@ def _eval_text(rec: dict) -> str:
 
 
 def _preference_text(rec: dict) -> str:
-    """A DPO step's share of pairs the policy prefers as the data does, and by how much."""
+    """A DPO step's share of pairs the policy prefers as the data does, and by how much; a
+    GRPO step's mean reward and completion length."""
+    if "reward" in rec:
+        return f"  reward {rec['reward']:.4f}  length {rec['completions/mean_length']:.1f}"
     if "rewards/accuracies" not in rec:
         return ""
     return f"  accuracy {rec['rewards/accuracies']:.2f}  margin {rec['rewards/margins']:.3f}"

@@ -75,14 +75,14 @@ def lr_at(step: int, cfg: Config) -> float:
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def train_worker(config_text: str, run_dir: str | None, resume: str = "none") -> dict | None:
+def train_worker(config_text: str, run_dir: str | None, resume: str = "none", trainer_class=None) -> dict | None:
     """The work of one worker process (started through `train.entry.run_worker`): rank 0
     returns the run's summary (what summary.json holds), the other ranks None."""
     cfg = config_from_toml(config_text)
     device = join_job(cfg.train.timeout_s)
     hangs = HangReporter(cfg.train.timeout_s)
     try:
-        return Trainer(cfg, run_dir, resume, device, hangs).train()
+        return (trainer_class or Trainer)(cfg, run_dir, resume, device, hangs).train()
     except torch.OutOfMemoryError:
         raise from_device_oom(cfg.memory.limit_bytes, device, hangs.where) from None
     except RuntimeError as e:
@@ -123,8 +123,7 @@ class Trainer:
         if cfg.lora.init:
             load_adapters(self.pm.model, cfg.lora.init, cfg.lora, self.model_cfg)
         self.optimizer = build_optimizer(self.pm.model, cfg, self.mesh)
-        self.sampler, self.eval_sampler = build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer,
-                                                         cfg.train.objective, _row_width_multiple(cfg))
+        self.sampler, self.eval_sampler = self.data_samplers(tokenizer)
         self.objective = build_objective(cfg, device)
         self.ck_dir = checkpoint_dir(cfg, self.run_dir)
         self.saves = Saves(cfg.checkpoint, device, hangs)
@@ -147,6 +146,12 @@ class Trainer:
         # cores, where libgomp's spinning barriers would collapse the step (threads.py).
         self.threads = ThreadTuner(uniform=True)
         self.threads.enabled &= device.type == "cpu"
+
+    def data_samplers(self, tokenizer):
+        """(training sampler, evaluation sampler or None) of the run's data."""
+        cfg = self.cfg
+        return build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer, cfg.train.objective,
+                              _row_width_multiple(cfg))
 
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
@@ -217,6 +222,16 @@ class Trainer:
                 self.experts.aux_sum += aux.detach() / n_micro
         return loss_sum
 
+    def next_batch(self, step: int) -> Batch:
+        """This rank's rows of optimizer step `step` (1-based), the loss denominator set for
+        the step: from the data (GRPO's trainer generates them: posttrain/grpo.py)."""
+        self.use_denominator(self.sampler.loss_tokens(step - 1))
+        return self.sampler.batch(step - 1, self.dp_rank, self.dp_size).to(self.device)
+
+    def evaluate(self) -> dict:
+        """The evaluation record after a step (a collective): train/evaluate.py."""
+        return evaluate(self)
+
     def train_step(self, step: int) -> dict:
         """Optimizer step `step` (1-based) over the global batch; its metrics record."""
         cfg, pm, optimizer = self.cfg, self.pm, self.optimizer
@@ -224,8 +239,7 @@ class Trainer:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = self.sampler.batch(step - 1, self.dp_rank, self.dp_size).to(self.device)
-        self.use_denominator(self.sampler.loss_tokens(step - 1))
+        batch = self.next_batch(step)
         loss_sum = self.forward_backward(batch)
         pm.sync_gradients()
         dump_gradients(pm.model, step, self.rank)  # LLMSPLIT_DUMP_GRADS (tests only): grad_dump.py
@@ -266,7 +280,7 @@ class Trainer:
             record["peak_mem_bytes"] = max(peaks)
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                 self.hangs.where = f"evaluating after step {step}"
-                record.update(evaluate(self))
+                record.update(self.evaluate())
             history.append(record)
             if self.log is not None:
                 self.log.add(record)

@@ -177,7 +177,7 @@ class Engine:
         if seq.matcher is not None:
             seq.matcher.accept_token(nxt)  # the token came from its mask, so the grammar takes it
         if (nxt in self.eos_ids and not p.ignore_eos) or nxt in p.stop_token_ids:
-            seq.finish_reason = "stop"
+            seq.finish_reason, seq.stop_token = "stop", nxt
             seq.text = self.tokenizer.decode(seq.tokens)  # with what the decoder still held back
         else:
             seq.tokens.append(nxt)

@@ -87,6 +87,7 @@ class Sequence:
     text: str = ""  # decoded so far, cut at a stop string when one appears
     emitted: int = 0  # characters already streamed
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "abort"
+    stop_token: int | None = None  # the end-of-sequence or stop token that ended it (not in `tokens`)
     on_text: Callable[[str], None] | None = None  # receives text once it can no longer change
     detok: object = None  # the tokenizer's incremental decoder (`stream()`): text one token at a time
     last_token_at: float = field(default_factory=time.monotonic)  # creation, then each token's time

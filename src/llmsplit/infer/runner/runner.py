@@ -233,6 +233,25 @@ class Runner:
             for t in (t for stack in bank.stacked for t in stack):
                 _mark_static(t)  # as the pools: they never change shape
 
+    @torch.no_grad()
+    def replace_weights(self, state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor] | None = None,
+                        scale: float = 1.0) -> None:
+        """Overwrite this model's float weights in place with whole tensors by name (a tied head
+        reads the embedding), or with `adapter` the one adapter it serves: GRPO's policy after
+        each optimizer step (posttrain/handover.py). Fused projections are views of the
+        separate weights' storage (`fuse_projections`), so they follow. A whole model in one
+        process only: no tensor-parallel slices, no packed or offloaded weights."""
+        assert self.spec.tp_size == 1 and not self.spec.layers and self.offloader is None
+        if adapter is not None:
+            self.bank.replace(adapter, scale)
+        for name, p in self.model.named_parameters():
+            whole = state.get(name, state.get("tok_embeddings.weight") if name == "output.weight" else None)
+            if whole is not None:
+                p.copy_(whole)
+        for name, b in self.model.named_buffers():
+            if name in state:
+                b.copy_(state[name])
+
     def _compiled_decode(self):
         """The model's forward compiled for decode steps (one new token per sequence). Each
         step runs the same few hundred small ops, so at batch 1 the per-op dispatch of eager
