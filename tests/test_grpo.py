@@ -90,8 +90,17 @@ def test_loss_and_gradient_equal_the_hand_worked_reference(kind, beta):
 # ---------------------------------------------------------------- runs
 
 REWARD = '''
+import os
+
+CALLS = [0]
+
+
 def lowercase(prompts, completions, **columns):
-    """The share of a completion's characters that are lowercase letters."""
+    """The share of a completion's characters that are lowercase letters; raises at call
+    FAIL_AT_CALL (a grader that went down mid-run)."""
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ.get("FAIL_AT_CALL", "0")):
+        raise ValueError("the grader is down")
     return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
 '''
 
@@ -123,6 +132,17 @@ def test_layouts_equal_one_process_and_the_engine_holds_the_trained_weights(tmp_
         assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert got[-1]["eval_reward"] == pytest.approx(want[-1]["eval_reward"], abs=1e-9)
+    # A reward function that fails at step 3: the run stops naming it, and its step-2 checkpoint
+    # resumes into the step 3 of the run that never stopped.
+    crashed = tmp_path / "crashed"
+    out = train(crashed, *grpo_sets(tmp_path, 3, "train.eval_every=3", "checkpoint.every=2"), check=False,
+                env={"FAIL_AT_CALL": "3"})
+    assert out.returncode == 1, out.stderr
+    assert "reward function 'lowercase' raised ValueError: the grader is down; fix the function" in out.stderr
+    train(crashed, extra=("--resume", "auto"))
+    resumed = records(crashed)[-1]
+    assert resumed["step"] == 3 and resumed["reward"] == want[2]["reward"]
+    assert resumed["grad_norm"] == pytest.approx(want[2]["grad_norm"], rel=1e-5)
     engine = torch.load(tmp_path / "zero3-engine" / "engine-step3.pt", weights_only=True)
     trained = RunWeights(zero3)
     for name in trained.names():

@@ -226,6 +226,9 @@ def absolute_paths(cfg: Config) -> None:
             setattr(cfg.data, key, "text:" + absolute(value[len("text:"):]))
         elif value and value != "builtin":
             setattr(cfg.data, key, absolute(value))
+    # GRPO's reward functions given as file.py:function (module:function entries stay as they are).
+    cfg.grpo.rewards = [f"{absolute(path)}:{fn}" if path.endswith(".py") else entry
+                        for entry in cfg.grpo.rewards for path, _, fn in [entry.rpartition(":")]]
 
 
 def write_run_config(run_dir: Path, cfg: Config) -> None:

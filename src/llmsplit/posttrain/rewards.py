@@ -35,7 +35,13 @@ from ..errors import ConfigError
 
 class RewardFailed(ConfigError):
     """A reward function raised or returned what is not one finite number (or None) per
-    completion: a mistake in the user's code, so it exits with status 2 like a config error."""
+    completion: a mistake in the user's code, so it exits with status 2 like a config error.
+    Raised in a training worker, its class reaches the launcher (`details`: launch.worker_entry),
+    which then names the function and the resume instead of pointing at a traceback."""
+
+    @property
+    def details(self) -> dict:
+        return {}
 
 
 @dataclass

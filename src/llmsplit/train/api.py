@@ -361,6 +361,8 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
                                  f"with room); then {resume}") from None
         if e.error_type == MemoryLimitExceeded.__name__:
             raise TrainingFailed(str(e), out_of_memory=e.details) from None
+        if e.error_type == "RewardFailed":  # GRPO's reward function (posttrain/rewards.py): the user's code
+            raise TrainingFailed(str(e), f"fix the function; the checkpoints written stay valid: {resume}") from None
         if e.error_type == NoSpaceLeft.__name__:
             raise TrainingFailed(str(e), f"once the disk of {e.details['path']} has room again, {resume}") from None
         if disk_full(e, tmp):
