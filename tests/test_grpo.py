@@ -177,3 +177,28 @@ def test_the_reward_rises(tmp_path):
     rewards = [r["reward"] for r in records(run)]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
     assert "reward" in out.stdout + out.stderr
+
+
+def test_the_planner_counts_the_rollout_engine():
+    """Each rank's engine: the whole model in fp32, a reference copy with beta > 0 (none under
+    LoRA: the base is the reference), and the KV pool of its share of the step's completions."""
+    from llmsplit.config import layout_of, load_config, model_config, workload_of
+    from llmsplit.plan.hardware import get_device
+    from llmsplit.plan.memory import memory_per_device
+    from llmsplit.plan.rollout import whole_model_params
+
+    base = ["data.seq_len=1024", "train.global_batch=16", "train.micro_batch=2", "parallel.dp=2",
+            "train.objective=grpo", "grpo.rewards=m:f", "grpo.num_generations=4"]
+    engines = {}
+    for name, extra in {"sft": ["train.objective=sft"], "grpo": [], "beta": ["grpo.beta=0.04"],
+                        "lora": ["grpo.beta=0.04", "lora.rank=8"]}.items():
+        cfg = load_config(None, base + extra)
+        model = model_config(cfg, 258)
+        bd = memory_per_device(model, layout_of(cfg, 2), workload_of(cfg), get_device("H100-80GB"))
+        engines[name] = bd.detail["rollout_engine"]
+    weights = whole_model_params(model) * 4
+    kv = 2 * model.n_layers * model.n_kv_heads * model.head_dim * 4 * 8 * 1024  # 8 completions a rank
+    assert engines["sft"] == {}
+    assert engines["grpo"] == {"weights": weights, "reference": 0, "kv_pool": kv}
+    assert engines["beta"]["reference"] == weights
+    assert engines["lora"]["reference"] == 0 and engines["lora"]["weights"] > weights  # base + adapters

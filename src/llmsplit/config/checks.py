@@ -46,7 +46,16 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 def workload_of(cfg: Config) -> Workload:
     return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision,
                     lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets, lora_base=cfg.lora.base,
-                    rows_per_sample=2 if cfg.train.objective == "dpo" else 1)
+                    rows_per_sample=2 if cfg.train.objective == "dpo" else 1, **_rollout(cfg))
+
+
+def _rollout(cfg: Config) -> dict:
+    """A GRPO run's engine as the planner counts it: every completion of a step within
+    data.seq_len (the worker refuses a longest prompt + grpo.max_completion_tokens beyond it)."""
+    if cfg.train.objective != "grpo":
+        return {}
+    return {"rollout_rows": cfg.train.global_batch, "rollout_context": cfg.data.seq_len,
+            "rollout_reference": cfg.grpo.beta > 0 and not cfg.lora.rank}
 
 
 def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int | None = None) -> None:

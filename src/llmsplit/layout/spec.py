@@ -95,6 +95,11 @@ class Workload:
     # train: the sequences each sample of the batch is (a DPO pair: chosen and rejected, 2);
     # global_batch and micro_batch count samples, activations and tokens count sequences.
     rows_per_sample: int = 1
+    # train, GRPO: the completions a step generates (each rank's engine makes its share at once),
+    # the tokens each may hold, and whether a frozen reference copy is kept (plan/rollout.py).
+    rollout_rows: int = 0
+    rollout_context: int = 0
+    rollout_reference: bool = False
 
     @property
     def compute_bytes(self) -> int:

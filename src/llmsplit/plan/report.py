@@ -11,7 +11,9 @@ LEGEND = {
         ("params", "weights on the device: its tp/pp share, split over dp by zero 2/3; fp32 (a LoRA base as stored)"),
         ("grads", "gradients of the trained weights, fp32 (with LoRA the adapters' only)"),
         ("optim", "optimizer states: AdamW's two fp32 moments per trained weight, split over dp by zero 1-3"),
-        ("acts", "activations: those saved for backward at the peak, with the loss's logits"),
+        ("acts", "activations: those saved for backward at the peak, with the loss's logits (GRPO: and the "
+                 "rollout engine, resident: the whole model in fp32, a reference copy with grpo.beta > 0 "
+                 "without LoRA, the KV pool of the rank's completions)"),
         ("comm", "communication buffers: DDP's gradient buckets; zero 2/3's gathered weights and unsharded "
                  "gradients (fp32, the whole stage's while a step has micro-batches to go); tp/pp/ep messages"),
         ("model state", "params + grads + optim"),
