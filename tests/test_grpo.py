@@ -177,6 +177,11 @@ def test_the_reward_rises(tmp_path):
     rewards = [r["reward"] for r in records(run)]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
     assert "reward" in out.stdout + out.stderr
+    assert 0 <= records(run)[-1]["eval_reward"] <= 1
+    pytest.importorskip("matplotlib")
+    from llmsplit.diagnose.plot import plot_run
+
+    assert run / "plots" / "reward.png" in plot_run(run)  # `llmsplit plot`: reward against step
 
 
 def test_the_planner_counts_the_rollout_engine():

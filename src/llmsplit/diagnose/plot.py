@@ -1,4 +1,5 @@
-"""`llmsplit plot RUN_DIR`: PNG charts of a run's loss, tokens/s and memory per rank."""
+"""`llmsplit plot RUN_DIR`: PNG charts of a run's loss, tokens/s and memory per rank (and a GRPO
+run's reward)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,21 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in rows]
     written = []
-    for key, label, scale, name in (("loss", "loss (mean over the global batch)", 1, "loss.png"),
-                                    ("tokens_per_s", "tokens/s", 1, "tokens_per_s.png"),
-                                    ("peak_mem_bytes", "peak memory, max over ranks (MiB)", 2**20, "memory.png")):
+    charts = [("loss", "loss (mean over the global batch)", 1, "loss.png"),
+              ("tokens_per_s", "tokens/s", 1, "tokens_per_s.png"),
+              ("peak_mem_bytes", "peak memory, max over ranks (MiB)", 2**20, "memory.png")]
+    if rows and "reward" in rows[0]:  # GRPO: the step's completions' mean reward
+        charts.append(("reward", "mean reward of the step's completions", 1, "reward.png"))
+    for key, label, scale, name in charts:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, [r[key] / scale for r in rows], lw=1.5, label="training")
-        evaluated = [r for r in rows if "eval_loss" in r] if key == "loss" else []
-        if evaluated:  # held-out loss at the steps evaluated (train.eval_every)
-            ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", lw=1.5,
-                    label=f"held out (last perplexity {evaluated[-1]['eval_ppl']:.3g})")
+        held = {"loss": "eval_loss", "reward": "eval_reward"}.get(key)
+        evaluated = [r for r in rows if held in r]
+        if evaluated:  # the held-out figure at the steps evaluated (train.eval_every)
+            last = f"last perplexity {evaluated[-1]['eval_ppl']:.3g}" if "eval_ppl" in evaluated[-1] else \
+                f"last {evaluated[-1][held]:.3g}"
+            ax.plot([r["step"] for r in evaluated], [r[held] for r in evaluated], "o-", lw=1.5,
+                    label=f"held out ({last})")
             ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(label)
