@@ -101,6 +101,11 @@ class GRPOTrainer(Trainer):
         engine.generate(seqs)
         totals, per_function = score(self.rewards, [prompts.prompts[p] for p in rows], [s.text for s in seqs],
                                      [prompts.columns[p] for p in rows])
-        sums = torch.tensor([float(sum(totals)), float(len(rows))], dtype=torch.float64)
+        # Sums and counts (a function's None rows left out) of the total and of each function.
+        values = [totals] + [per_function[r.name] for r in self.rewards]
+        sums = torch.tensor([[math.fsum(v for v in vs if v == v), sum(v == v for v in vs)] for vs in values],
+                            dtype=torch.float64)
         dist.all_reduce(sums)
-        return {"eval_reward": float(sums[0] / max(float(sums[1]), 1.0))}
+        means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+        return {"eval_reward": means[0],
+                **{f"eval_rewards/{r.name}/mean": m for r, m in zip(self.rewards, means[1:])}}
