@@ -114,6 +114,15 @@ def run_trl(model: Path, data: Path, rewards: Path, out: Path) -> None:
     (out / "steps.json").write_text(json.dumps(steps))
 
 
+def wait_for_quiet(limit: float = 1.5, patience_s: float = 240) -> float:
+    """The 1-minute load once below `limit` (the side before has left it high), or after waiting
+    `patience_s`: what each side starts at, printed with its figure."""
+    deadline = time.monotonic() + patience_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, type=Path, help="a Hugging Face folder (e.g. SmolLM2-135M-Instruct)")
@@ -132,7 +141,7 @@ def main(argv=None) -> int:
             sides = ["llmsplit", "trl"] if r % 2 == 0 else ["trl", "llmsplit"]
             got = {}
             for side in sides:
-                load = os.getloadavg()[0]
+                load = wait_for_quiet()
                 run = tmp / f"{side}-{r}"
                 run.mkdir()
                 steps = (llmsplit_steps if side == "llmsplit" else trl_steps)(args.model.resolve(), data, rewards, run)
