@@ -133,7 +133,12 @@ def test_workers_never_see_the_launchers_pet_variables_nor_its_rank(monkeypatch)
         monkeypatch.setenv(name, value)  # RANK=5: as torch's agent set it for this worker
     parent = {**PYTORCHJOB, "LLMSPLIT_TEST_PASSED_ON": "1"}
     handed_on = {k: v for k, v in parent.items() if k not in workers.AGENT_VARIABLES}  # as `launch` builds it
-    seen = workers._in_environment(handed_on, lambda: dict(os.environ))
+    here = os.getcwd()
+    try:  # the launcher's directory, whatever the forkserver's (an earlier launch may have started it)
+        assert workers._in_environment(handed_on, "/", os.getcwd) == "/"
+    finally:
+        os.chdir(here)
+    seen = workers._in_environment(handed_on, here, lambda: dict(os.environ))
     assert not [k for k in seen if k.startswith("PET_")]
     assert seen["RANK"] == "5" and seen["LLMSPLIT_TEST_PASSED_ON"] == "1"
     env = dict(TRAINJOB, PATH="/bin")

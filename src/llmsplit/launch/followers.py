@@ -59,10 +59,12 @@ class Nodes:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
-def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple):
+def _run_follower(entrypoint, backend: str, timeout_s: float, args: tuple, cwd: str):
     """A follower's life: join rank 0's job (the variables Followers set), then run
-    `entrypoint(*args)` as one of its ranks. The cluster launcher's PET_* it inherited
-    describe the llmsplit command's job, not its own (cluster_env.drop_launcher_variables)."""
+    `entrypoint(*args)` as one of its ranks, in its launcher's directory (a forkserver started
+    by an earlier launch keeps the directory it started in). The cluster launcher's PET_* it
+    inherited describe the llmsplit command's job, not its own (cluster_env.drop_launcher_variables)."""
+    os.chdir(cwd)
     drop_launcher_variables(os.environ)
     join_job(timeout_s, backend, announce=_JOINED)
     try:
@@ -105,7 +107,7 @@ class Followers:
         # numbers its processes from 0 (their error files, its failures).
         self._ranks = [r for r in ranks if r != 0]
         envs = {i: {**job, "RANK": str(r), "LOCAL_RANK": str(r - ranks.start)} for i, r in enumerate(self._ranks)}
-        follower = (entrypoint, backend, timeout_s, args)
+        follower = (entrypoint, backend, timeout_s, args, os.getcwd())
         self._procs = None  # node 0 may hold rank 0 alone (one rank per node)
         try:
             with _signal_handlers_kept():  # start() installs torchrun's handlers; the caller keeps its own

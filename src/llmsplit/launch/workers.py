@@ -260,10 +260,12 @@ AGENT_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "R
                              "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 
 
-def _in_environment(environment: dict[str, str], entrypoint, *args):
-    """A worker of `launch`: the launching process's environment at this launch (torch's
-    elastic agent hands on only OMP_NUM_THREADS of it, and the forkserver's own may be
-    older) but the cluster launcher's PET_* (inherited, so removed here), then the entrypoint."""
+def _in_environment(environment: dict[str, str], cwd: str, entrypoint, *args):
+    """A worker of `launch`: the launching process's environment and directory at this launch
+    (torch's elastic agent hands on only OMP_NUM_THREADS of it, and the forkserver's own may be
+    older: a library caller may have changed directory since an earlier launch started it) but
+    the cluster launcher's PET_* (inherited, so removed here), then the entrypoint."""
+    os.chdir(cwd)
     os.environ.update(environment)
     drop_launcher_variables(os.environ)
     _small_mmap_threshold()
@@ -307,7 +309,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     environment = {name: value for name, value in os.environ.items() if name not in AGENT_VARIABLES}
     try:
         with FailureWatch(environment, first_rank=node_rank * nproc):  # a restart's workers say why
-            return elastic_launch(config, _in_environment)(environment, entrypoint, *args)
+            return elastic_launch(config, _in_environment)(environment, os.getcwd(), entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None
     except DistError as e:
