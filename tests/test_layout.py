@@ -163,7 +163,7 @@ def _runs_unchecked(tmp_path: Path, sets: list[str], nproc: int = WORLD) -> str:
 
 
 @pytest.mark.slow
-@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+@settings(max_examples=2, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 # Tied embeddings under pp are refused for correctness (the weight would not stay shared), not
 # for a crash, so they are not drawn here.
