@@ -65,6 +65,25 @@ def read_conversations(path: Path) -> list[list[dict]]:
     return out
 
 
+def jsonl_lines(files: list[Path], key: str, what: str, wanted: str):
+    """(where, line) of each non-blank line of `key`'s .jsonl files; a missing or unreadable file,
+    or none holding a row, is refused (`what` names the rows, `wanted` what a row holds)."""
+    found = False
+    for path in files:
+        if not path.is_file():
+            raise ConfigError(f"{key}={str(path)!r} does not exist; pass a .jsonl file of {what} rows")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {str(path)!r} as UTF-8 text ({e}); check {key}") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                found = True
+                yield f"{str(path)!r} line {n}", line
+    if not found:
+        raise ConfigError(f"{key} holds no {what} row; add JSONL rows with {wanted}")
+
+
 def json_row(line: str, where: str, keys: str) -> dict:
     """One JSONL line as an object; `keys` says what it should hold, for the message."""
     try:

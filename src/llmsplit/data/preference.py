@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .chat import ROLES, encode_conversation, json_row
+from .chat import ROLES, encode_conversation, json_row, jsonl_lines
 from .loader import IGNORE, Batch, BatchSampler
 
 NO_PAIR = -1  # the pair index of filler rows (the last batch of an evaluation), which carry no loss
@@ -60,21 +60,8 @@ def check_preference_files(files: list[Path], key: str = "data.source") -> None:
 
 def _rows(files: list[Path], key: str):
     """(where, prompt, chosen, rejected) per row of the files."""
-    found = False
-    for path in files:
-        if not path.is_file():
-            raise ConfigError(f"{key}={str(path)!r} does not exist; pass a .jsonl file of preference rows")
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read {str(path)!r} as UTF-8 text ({e}); check {key}") from None
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                where = f"{str(path)!r} line {n}"
-                found = True
-                yield (where, *_pair(line, where))
-    if not found:
-        raise ConfigError(f"{key} holds no preference row; add JSONL rows with \"prompt\", \"chosen\" and \"rejected\"")
+    for where, line in jsonl_lines(files, key, "preference", "\"prompt\", \"chosen\" and \"rejected\""):
+        yield (where, *_pair(line, where))
 
 
 def _pair(line: str, where: str) -> tuple[list[dict], list[dict], list[dict]]:

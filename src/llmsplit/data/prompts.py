@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .chat import TRAINING_LIMITS, check_messages, json_row
+from .chat import TRAINING_LIMITS, check_messages, json_row, jsonl_lines
 
 # The names a reward function's own arguments take (posttrain/rewards.py calls
 # fn(prompts, completions, **columns)): a column of either name would collide with them.
@@ -63,20 +63,8 @@ def check_prompt_files(files: list[Path], key: str = "data.source") -> None:
 
 def _rows(files: list[Path], key: str):
     """(where, prompt, other columns) per row of the files."""
-    found = False
-    for path in files:
-        if not path.is_file():
-            raise ConfigError(f"{key}={str(path)!r} does not exist; pass a .jsonl file of prompt rows")
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read {str(path)!r} as UTF-8 text ({e}); check {key}") from None
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                found = True
-                yield _row(line, f"{key} {str(path)!r} line {n}")
-    if not found:
-        raise ConfigError(f"{key} holds no prompt row; add JSONL rows with a \"prompt\" (text or messages)")
+    for where, line in jsonl_lines(files, key, "prompt", "a \"prompt\" (text or messages)"):
+        yield _row(line, f"{key} {where}")
 
 
 def _row(line: str, where: str) -> tuple[str, str | list[dict], dict]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..data.loader import IGNORE
 from ..data.preference import NO_PAIR
 from .evaluate import forward_passes
+from .objectives import token_logps
 
 # The per-pair figures summed over a step (then divided by its pairs), under TRL's names.
 FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
@@ -34,14 +35,9 @@ _STATE_KEYS = {"train": "dpo_reference", "eval": "dpo_eval_reference"}
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each row's scored tokens, summed; how many) from logits [rows, seq, vocab]
-    and targets [rows, seq + 1] (IGNORE: not scored; the last column is the pair's index).
-    fp32 over the vocabulary; under tensor parallel the logits stay split over the vocabulary
-    (loss_parallel computes the per-token cross-entropy on the shards, replicated)."""
+    and targets [rows, seq + 1] (IGNORE: not scored; the last column is the pair's index)."""
     tokens = targets[:, :-1]
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="none")
-    if hasattr(per_token, "to_local"):
-        per_token = per_token.to_local()
-    return -per_token.view(tokens.shape).sum(-1), (tokens != IGNORE).sum(-1)
+    return token_logps(logits, tokens).sum(-1), (tokens != IGNORE).sum(-1)
 
 
 def dpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,

@@ -16,12 +16,10 @@ clipped form reduces to. The clipped form is kept so the figures (clip_ratio) me
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
-import torch.nn.functional as F
 
 from ..data.loader import IGNORE
+from .objectives import NextTokenObjective, token_logps
 
 GRPO_FIGURES = ("kl", "clip_ratio")  # token means over the step, as TRL logs them
 
@@ -32,16 +30,6 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     grouped = rewards.view(-1, group)
     mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
     return ((grouped - mean) / (std + 1e-4)).flatten()
-
-
-def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each target token [rows, seq] (0 where IGNORE), fp32 over the vocabulary;
-    under tensor parallel the logits stay split over the vocabulary (loss_parallel computes
-    the per-token cross-entropy on the shards, replicated)."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="none")
-    if hasattr(per_token, "to_local"):
-        per_token = per_token.to_local()
-    return -per_token.view(tokens.shape)
 
 
 def grpo_token_losses(logps: torch.Tensor, advantages: torch.Tensor, epsilon: float, beta: float,
@@ -63,7 +51,10 @@ def grpo_token_losses(logps: torch.Tensor, advantages: torch.Tensor, epsilon: fl
     return loss, kl, clipped
 
 
-class GroupRelativeObjective:
+class GroupRelativeObjective(NextTokenObjective):
+    """The next-token objective's hooks (nothing to prepare, checkpoint or wrap), with GRPO's
+    loss and figures."""
+
     def __init__(self, grpo, device: torch.device):
         self.epsilon, self.beta, self.kind = grpo.epsilon, grpo.beta, grpo.loss
         self.device = device
@@ -92,15 +83,6 @@ class GroupRelativeObjective:
             return (losses * mask).sum() / denominator
         return ((losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / denominator
 
-    def prepare(self, trainer, resumed_state: dict | None) -> None:
-        """Nothing before the first step: each step's rows come with their own figures."""
-
-    def evaluating(self):
-        return nullcontext()
-
-    def pipeline_calls(self, n_microbatches: int):
-        return nullcontext()
-
     def step_record(self, pm) -> dict:
         """KL and clip ratio as token means over the step, on every rank (a collective)."""
         sums = torch.stack(self.pending).sum(0) if self.pending else torch.zeros(3, device=self.device)
@@ -113,7 +95,4 @@ class GroupRelativeObjective:
         return record
 
     def eval_record(self, loss: float, pm) -> dict:
-        return {}
-
-    def checkpoint_state(self) -> dict:
-        return {}
+        return {}  # GRPO's evaluation is the held-out reward (posttrain/grpo.py)

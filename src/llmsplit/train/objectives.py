@@ -23,6 +23,16 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: float) 
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / denominator
 
 
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each target token [rows, seq] (0 where IGNORE), fp32 over the vocabulary;
+    under tensor parallel the logits stay split over the vocabulary (loss_parallel computes
+    the per-token cross-entropy on the shards, replicated)."""
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="none")
+    if hasattr(per_token, "to_local"):
+        per_token = per_token.to_local()
+    return -per_token.view(tokens.shape)
+
+
 class NextTokenObjective:
     """Supervised fine-tuning and pre-training: the mean token loss."""
 
