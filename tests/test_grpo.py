@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import TINY, train
+from helpers import TINY, run_cli, train
 from llmsplit.data.loader import IGNORE
 from llmsplit.io.weights import RunWeights
 from llmsplit.train.grpo import GroupRelativeObjective, group_advantages
@@ -207,3 +207,10 @@ def test_the_planner_counts_the_rollout_engine():
     assert engines["grpo"] == {"weights": weights, "reference": 0, "kv_pool": kv}
     assert engines["beta"]["reference"] == weights
     assert engines["lora"]["reference"] == 0 and engines["lora"]["weights"] > weights  # base + adapters
+
+
+def test_a_prompt_and_its_completion_longer_than_a_row_are_refused_before_training(tmp_path):
+    out = run_cli("train", "--run-dir", str(tmp_path / "run"), *[a for s in grpo_sets(tmp_path, 2, "data.seq_len=16")
+                                                                  for a in ("--set", s)], check=False)
+    assert out.returncode == 2 and "grpo.max_completion_tokens is 12: more than data.seq_len=16" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -133,3 +133,9 @@ class PromptSampler:
     def state_dict(self, next_step: int) -> dict:
         return {"seed": self.seed, "next_step": next_step, "per_step": self.per_step, "n_prompts": self.n_prompts,
                 "epoch": next_step * self.per_step // self.n_prompts}
+
+
+def longest_prompt(sampler, eval_sampler) -> int:
+    """The most tokens a prompt of the run (training or held out) has."""
+    held = eval_sampler.prompts.ids if eval_sampler is not None else []
+    return max(len(ids) for ids in [*sampler.prompts.ids, *held])

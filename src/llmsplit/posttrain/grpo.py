@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..data.datasets import build_prompt_samplers
+from ..data.prompts import longest_prompt
 from ..data.loader import Batch
-from ..errors import ConfigError
 from ..infer.api import InferConfig, generation_context
 from ..infer.engine import SamplingParams
 from ..io.tokenizer import load_tokenizer
@@ -29,11 +29,7 @@ class GRPOTrainer(Trainer):
         g = cfg.grpo
         self.rewards = load_rewards(g.rewards, g.reward_weights)
         prompts = self.sampler.prompts
-        longest = max(len(ids) for ids in prompts.ids)
-        if longest + g.max_completion_tokens > cfg.data.seq_len:
-            raise ConfigError(f"the longest prompt has {longest} tokens and grpo.max_completion_tokens is "
-                              f"{g.max_completion_tokens}: more than data.seq_len={cfg.data.seq_len}; raise "
-                              f"data.seq_len or lower grpo.max_completion_tokens")
+        longest = longest_prompt(self.sampler, self.eval_sampler)  # within data.seq_len: entry.prepare_grpo
         n = cfg.train.global_batch
         config = InferConfig(device_map=str(device), max_batch=max(1, len(share(n, 0, self.world))),
                              max_context=generation_context(longest, g.max_completion_tokens),
