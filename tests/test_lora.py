@@ -214,9 +214,10 @@ def test_generate_and_export_merge_the_adapters(reference, tmp_path):
 def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     """`export --to peft`: PEFT's names, shapes and scale. Applied to the transformers model of
     model.hf the way PEFT merges it (W + lora_alpha / r * B @ A), the adapter gives the logits of
-    `llmsplit.load(RUN)`. (peft itself, a benchmark-only peer, loads it with PeftModel.from_pretrained.)"""
+    `llmsplit.load(RUN)`, and so does peft's own PeftModel.from_pretrained over that model."""
     import transformers
     from hf_models import make_hf_folder, merge_peft_adapter
+    from peft import PeftModel
     from safetensors.torch import load_file
 
     import llmsplit
@@ -231,8 +232,11 @@ def test_a_lora_run_on_a_hugging_face_base_exports_a_peft_adapter(tmp_path):
     assert adapter["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (4, 128)
     model = merge_peft_adapter(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter", scale=8 / 4)
     tokens = torch.randint(0, 300, (1, 12))
-    torch.testing.assert_close(model(tokens).logits, llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(tokens),
-                               rtol=1e-4, atol=1e-4)
+    want = llmsplit.load(str(tmp_path / "run"), device_map="cpu").logits(tokens)
+    torch.testing.assert_close(model(tokens).logits, want, rtol=1e-4, atol=1e-4)
+    peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits, want, rtol=1e-4, atol=1e-4)
     assert (tmp_path / "adapter" / "tokenizer.json").is_file()
 
 
