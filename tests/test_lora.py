@@ -310,3 +310,13 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only()
     assert lora.params == full.params + 4 * adapters
     tp2 = memory_per_device(cfg, Layout(dp=1, tp=2), Workload(seq_len=2048, global_batch=1, lora_rank=16), gpu)
     assert adapters // 2 < tp2.grads // 4 < adapters  # B split under column parallel, A under row parallel
+
+
+def test_an_unset_alpha_is_twice_the_rank_and_a_set_one_is_kept():
+    """A scale of 2 whatever the rank (guide §12: SmolLM2's 40 default steps reach 0.31, not 1.07)."""
+    from llmsplit.config import check_lora, load_config
+
+    for sets, alpha in ((["lora.rank=16"], 32.0), (["lora.rank=4"], 8.0), (["lora.rank=16", "lora.alpha=16"], 16.0)):
+        cfg = load_config(None, sets)
+        check_lora(cfg.lora)
+        assert cfg.lora.alpha == alpha, sets

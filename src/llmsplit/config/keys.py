@@ -153,6 +153,7 @@ def context_defaults() -> dict[str, str]:
         **{key: f"from scratch, {value}" for key, value in tuned.items()},
         "data.tokenizer": f"({weights}: the model's)",
         "data.format": "(chat with train.objective dpo)",
+        "lora.alpha": "(2 x lora.rank: a scale of 2)",
         "data.loss_on": "(assistant with data.format chat, else all)",
         "grpo.reward_weights": "(1.0 for each of grpo.rewards)",
         "parallel.sequence_parallel": "(true when tp > 1)",

@@ -14,7 +14,7 @@ TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 @dataclass
 class LoraSection:
     rank: int = 0  # 0 = off: every parameter trains
-    alpha: float = 16.0  # the update is scaled by alpha / rank
+    alpha: float | None = None  # the update is scaled by alpha / rank; None: 2 x rank (a scale of 2)
     dropout: float = 0.0
     targets: str = "q,k,v,o,gate,up,down"
     base: str = "none"  # "nf4" | "int8": the frozen base stored 4-bit / 8-bit (QLoRA, adapters/qlora.py)
@@ -34,6 +34,11 @@ def check_lora(lora: LoraSection) -> None:
             raise ConfigError(f"lora.base={lora.base!r} quantizes the frozen base of LoRA; set lora.rank (e.g. 16) "
                               f"or remove lora.base")
         return
+    if lora.alpha is None:
+        # A scale of 2 whatever the rank (torchtune's and TRL's recipes: alpha 16 at rank 8, 32 at
+        # 16): at the LoRA lr 2e-4, guide §12's 40 steps on SmolLM2 reach a loss of 0.31 (0.99 at
+        # the scale of 1 the fixed alpha 16 gave rank 16).
+        lora.alpha = 2.0 * lora.rank
     if not lora.alpha > 0:
         raise ConfigError(f"lora.alpha={lora.alpha} must be greater than 0")
     if not 0 <= lora.dropout < 1:
