@@ -46,13 +46,13 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
     job = prepare_job(config, overrides, run_dir, resume,
                       Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed,
                       overwrite)
-    if job.cfg.train.objective == "grpo":
-        from .posttrain.entry import prepare_grpo
-
-        prepare_grpo(job)  # its reward functions import, and its workers run posttrain's trainer
     if auto:
         _apply_auto(job)
     check_job(job)
+    if job.cfg.train.objective == "grpo":
+        from .posttrain.entry import prepare_grpo
+
+        prepare_grpo(job)  # its reward functions import, its prompts fit, and its workers run posttrain's trainer
     try:
         result = run_job(job)
     except TrainingFailed as e:
