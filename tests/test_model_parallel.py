@@ -36,14 +36,13 @@ LAYOUTS = [
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev"]),
     (4, ["parallel.tp=2"]),                                   # dp 2 × tp 2 (DDP)
     (4, ["parallel.tp=2", "parallel.zero=3"]),                # FSDP × TP
-    (4, ["parallel.pp=2", "parallel.tp=2"]),                  # PP × TP
     (4, ["parallel.pp=2", "parallel.zero=3"]),                # PP × FSDP
     # Split backward × FSDP: parameters must stay gathered until the weight-gradient pass.
     (4, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.zero=3"]),
     (4, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.zero=3", "train.micro_batch=1"]),
     (4, ["parallel.pp=2", "parallel.zero=1"]),                # PP × ZeRO-1
     (4, ["parallel.pp=4", "parallel.pp_schedule=1f1b"]),      # one layer per stage
-    (4, ["parallel.pp=2", "parallel.tp=2", "memory.activation_checkpoint=full"]),
+    (4, ["parallel.pp=2", "parallel.tp=2", "memory.activation_checkpoint=full"]),  # PP × TP (with recompute)
 ]
 
 
