@@ -156,7 +156,7 @@ def test_bad_rows_are_refused_before_any_worker_starts(tmp_path, row, says):
     (["dpo.loss=hinge"], "dpo.loss='hinge' is not one of"),
     (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "applies to dpo.loss=\"sigmoid\" only"),
     (["data.format=text"], "set data.format=\"chat\""),
-    (["train.objective=grpo", "grpo.rewards=r.py:f"], "no \"prompt\" key"),  # preference rows are no prompts
+    (["train.objective=grpo", "grpo.rewards=r.py:f", "grpo.num_generations=2"], "no \"prompt\" key"),  # pairs, not prompts
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "train.eval_every=0", "data.eval_fraction=0"], "forward-only pass"),
 ])
 def test_bad_keys_are_refused(tmp_path, sets, says):
