@@ -16,7 +16,6 @@ from ..data.prompts import longest_prompt
 from ..data.loader import Batch
 from ..infer.api import InferConfig, generation_context
 from ..infer.engine import SamplingParams
-from ..io.tokenizer import load_tokenizer
 from ..train.trainer import Trainer
 from .handover import PolicyEngine, dump_engine_weights
 from .rewards import load_rewards, score
@@ -35,13 +34,13 @@ class GRPOTrainer(Trainer):
                              max_context=generation_context(longest, g.max_completion_tokens),
                              prefix_caching=True)
         self.hangs.where = "building the rollout engine (the policy's weights gathered whole)"
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = self.tokenizer
         eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
         lora_scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else None
         self.policy = PolicyEngine(self.pm.model, self.model_cfg, tokenizer, eos, lora_scale, config,
                                    reference=g.beta > 0)
         self.rollouts = Rollouts(self.policy, prompts, self.sampler, self.rewards, g, cfg.train.seed,
-                                 self.width_multiple(), tokenizer.eos_id or 0)
+                                 self.row_width_multiple(), tokenizer.eos_id or 0)
         self.figures: dict = {}
         self.refreshed = True  # the engine holds the weights of the step training starts from
         self.trained_step = self.start_step
@@ -54,9 +53,6 @@ class GRPOTrainer(Trainer):
     def data_samplers(self, tokenizer):
         per_step = self.cfg.train.global_batch // self.cfg.grpo.num_generations
         return build_prompt_samplers(self.cfg.data, per_step, self.cfg.train.seed, tokenizer)
-
-    def width_multiple(self) -> int:
-        return math.lcm(8, self.cfg.parallel.tp)
 
     def next_batch(self, step: int) -> Batch:
         self._refresh(step - 1)

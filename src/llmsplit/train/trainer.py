@@ -109,7 +109,7 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_run_config(self.run_dir, cfg)  # config.toml and the run's copy of its tokenizer files
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.model_cfg = model_config(cfg, tokenizer.vocab_size)
         self.counts = None  # the whole model's parameters, counted by rank 0 (summary.json's params, trainable_params)
         if self.rank0:
@@ -151,7 +151,13 @@ class Trainer:
         """(training sampler, evaluation sampler or None) of the run's data."""
         cfg = self.cfg
         return build_samplers(cfg.data, cfg.train.global_batch, cfg.train.seed, tokenizer, cfg.train.objective,
-                              _row_width_multiple(cfg))
+                              self.row_width_multiple())
+
+    def row_width_multiple(self) -> int | None:
+        """What the width of rows cut to their batch's longest must divide by: 8 (kernels like
+        round shapes), and tp under sequence parallel; None under pipeline parallel, whose
+        schedule keeps the first step's shapes."""
+        return None if self.cfg.parallel.pp > 1 else math.lcm(8, self.cfg.parallel.tp)
 
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
@@ -351,13 +357,6 @@ class Trainer:
         if self.rank0:
             (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
         return chosen
-
-
-def _row_width_multiple(cfg: Config) -> int | None:
-    """What the width of rows cut to their batch's longest must divide by: 8 (kernels like round
-    shapes), and tp under sequence parallel; None under pipeline parallel, whose schedule keeps
-    the first step's shapes."""
-    return None if cfg.parallel.pp > 1 else math.lcm(8, cfg.parallel.tp)
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
