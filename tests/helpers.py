@@ -152,11 +152,14 @@ def _assert_close_tensor(got, want, rtol: float, atol: float, what: str) -> None
     assert diff <= rtol * norm + atol, f"{what}: ‖got − want‖ = {diff:.3e}, ‖want‖ = {norm:.3e}"
 
 
-# Modules the template process imports once. Importing them starts no thread and runs no
-# OpenMP op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
-TEMPLATE_IMPORTS = ["torch", "torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
-                    "llmsplit.cli", "llmsplit.launch", "llmsplit.config", "llmsplit.train.entry",
-                    "llmsplit.train.trainer", "llmsplit.parallel.apply", "llmsplit.infer.api", "llmsplit.plan.api"]
+# Modules the template process imports once: what `llmsplit train` holds when its workers'
+# server forks them (the program's own imports, then the server's, launch/forkserver.py), and no
+# more, so that a test's workers inherit what a user's do and measure the same peaks
+# (torch.distributed.pipelining, for one, brings torch._dynamo and triton: ~80 MiB less to
+# import in a worker that inherits them). Importing them starts no thread and runs no OpenMP
+# op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
+TEMPLATE_IMPORTS = ["torch", "llmsplit.cli", "llmsplit.api", "llmsplit.train.api", "llmsplit.train.entry",
+                    "llmsplit.train.trainer"]
 _template = None
 
 

@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args) -> int:
     from .launch import claim_process_for_launching, under_torchrun
     from .api import TrainingFailed, train
+    from .train.api import WORKER_MODULES
 
     if args.program and not under_torchrun():
-        claim_process_for_launching()  # before anything here computes
+        claim_process_for_launching(WORKER_MODULES)  # before anything here computes
     overrides = list(args.set)
     if args.profile is not None:  # at least 1: cli_args refuses less while parsing
         overrides.append(f"train.profile_steps={args.profile}")

@@ -21,6 +21,7 @@ from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
 from .cluster_env import drop_launcher_variables
+from .forkserver import fork_forkserver
 from .network import bind_collectives_to_master_route
 from .restarts import FailureWatch
 
@@ -123,10 +124,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def claim_process_for_launching() -> None:
+def claim_process_for_launching(worker_modules: tuple[str, ...] = ()) -> None:
     """Called by the `llmsplit train` program before it computes anything: this process only
-    plans and launches, so it keeps to one thread and leaves the cores to its workers."""
+    plans and launches, so it keeps to one thread and leaves the cores to its workers; on the
+    CPU it forks its workers' server from itself now, while that is safe, and the server
+    imports `worker_modules` while this process plans (launch/forkserver.py)."""
     torch.set_num_threads(1)
+    if start_method() == "forkserver":
+        fork_forkserver(["torch", *worker_modules])
 
 
 def start_method() -> str:

@@ -18,6 +18,10 @@ from ..launch import LaunchError, Nodes, default_nproc, launch, under_torchrun
 from ..models.llama import LlamaConfig
 
 
+# What a training worker imports before it computes (its entry point, the trainer): imported
+# once, in the workers' server, and shared by every worker it forks (launch/forkserver.py).
+WORKER_MODULES = ("llmsplit.train.entry", "llmsplit.train.trainer")
+
 @dataclass
 class Workers:
     """Where the workers run: `nproc` on this machine (default: one per GPU, 2 on a CPU) ×
@@ -48,7 +52,7 @@ class TrainJob:
     # The workers' entry point and the modules their processes import first: train.entry.run_worker
     # (None), or a room above training's that extends the trainer (posttrain/entry.py, for GRPO).
     entry: object = None
-    preload: tuple[str, ...] = ("llmsplit.train.trainer",)
+    preload: tuple[str, ...] = WORKER_MODULES
 
 
 @dataclass
