@@ -155,11 +155,11 @@ def _assert_close_tensor(got, want, rtol: float, atol: float, what: str) -> None
 # Modules the template process imports once: what `llmsplit train` holds when its workers'
 # server forks them (the program's own imports, then the server's, launch/forkserver.py), and no
 # more, so that a test's workers inherit what a user's do and measure the same peaks
-# (torch.distributed.pipelining, for one, brings torch._dynamo and triton: ~80 MiB less to
-# import in a worker that inherits them). Importing them starts no thread and runs no OpenMP
+# (torch.distributed.pipelining, for one, brings torch.onnx and more along with torch._dynamo).
+# Importing them starts no thread and runs no OpenMP
 # op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
 TEMPLATE_IMPORTS = ["torch", "llmsplit.cli", "llmsplit.api", "llmsplit.train.api", "llmsplit.train.entry",
-                    "llmsplit.train.trainer"]
+                    "llmsplit.train.trainer", "torch._dynamo"]
 _template = None
 
 

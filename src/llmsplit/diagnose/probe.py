@@ -44,6 +44,11 @@ def local_cpu(workers_per_node: int = 1) -> Device:
     return cpu_device(measure_cpu(), workers_per_node)
 
 
+# Part of the cache key: a change in what the probe measures (2: the worker's baseline measured
+# in a forked child, as workers are started) makes earlier measurements stale.
+PROBE_VERSION = 2
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "llmsplit"
@@ -57,7 +62,8 @@ def _machine_key() -> str:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     except OSError:
         pass
-    text = f"{platform.node()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{sys.version_info[:2]}|{_environment()}"
+    text = (f"{platform.node()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{sys.version_info[:2]}|{_environment()}"
+            f"|{PROBE_VERSION}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -159,9 +165,20 @@ def _loopback_rate() -> float:
     return got / elapsed
 
 
+# Measured as a training worker has it: in a child forked from a process that imported torch
+# and the workers' modules (train.api.WORKER_MODULES), as a worker is forked from its server
+# (launch/forkserver.py). What the parent's imports touched is shared and counts in the child
+# where the child touches it too: a fresh process that imports all of it alone peaks ~90 MiB
+# higher than a tiny model's workers then do (380 vs 288 MiB here, torch 2.13 with triton).
 _BASELINE_SCRIPT = r"""
-import os, tempfile, torch, torch.distributed as dist
+import importlib, os, tempfile, torch, torch.distributed as dist
+from llmsplit.train.api import WORKER_MODULES
+for name in WORKER_MODULES:
+    importlib.import_module(name)
 torch.set_num_threads(1)
+pid = os.fork()
+if pid:
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
@@ -172,8 +189,7 @@ for _ in range(2):
     opt.step()
     opt.zero_grad()
 dist.barrier()
-# Read by hand: importing llmsplit here would add its own modules to the baseline it measures.
-print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")), flush=True)
 dist.destroy_process_group()
 """
 
