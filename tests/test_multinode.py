@@ -5,6 +5,7 @@ single-process losses; a master that cannot be found is reported with the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -67,3 +68,76 @@ def test_a_master_address_that_does_not_resolve_is_refused(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--master-addr 'no-such-host.invalid' does not resolve" in err[0], err
+
+
+def _wait_for_step(run_dir, step: int, procs, timeout_s: float = 180) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.is_file() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()
+                                  if line.strip()):
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"the job never logged step {step}: {[p.poll() for p in procs]}")
+
+
+@pytest.mark.slow
+def test_an_elastic_job_that_loses_a_machine_finishes_on_the_other_as_one_process_would(tmp_path):
+    """--nnodes 1:2, 2 machines x 2 workers, ZeRO-3, a checkpoint every 2 steps: every process
+    of machine 1 is killed at step 7 (its workers stop answering there, then the test kills
+    its launcher, server and workers at once); machine 0 meets again alone and resumes from
+    step 6 on 2 workers with the same global batch, and every step's loss and gradient norm
+    are the single process's; membership.jsonl says who left."""
+    import os
+    import signal
+
+    sets = [*TINY, "train.steps=12", "parallel.zero=3", "checkpoint.every=2"]
+    train(tmp_path / "ref", *sets, "train.micro_batch=8", "parallel.zero=0", nproc=1)
+    port, run = free_port(), tmp_path / "run"
+    with hosts(2) as made:
+        prefixes, master = ([p for p, _ in made], made[0][1]) if made else ([[], []], "127.0.0.1")
+        cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", "2", "--nnodes", "1:2", "--master-addr", master,
+               "--master-port", str(port), "--max-restarts", "1", "--run-dir", str(run)]
+        for s in sets:
+            cmd += ["--set", s]
+        env = [dict(os.environ), dict(os.environ, LLMSPLIT_FAULT="*:7:hang")]  # machine 1 stalls at step 7
+        procs = [subprocess.Popen(prefixes[node] + cmd, env=env[node], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True) for node in (0, 1)]
+        try:
+            _wait_for_step(run, 6, procs)
+            os.killpg(procs[1].pid, signal.SIGKILL)  # machine 1 is lost: every process of it at once
+            out, err = procs[0].communicate(timeout=300)
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode == 0, err[-3000:]
+    assert_close_losses(losses(run), losses(tmp_path / "ref"))
+    attempts = [json.loads(line) for line in (run / "membership.jsonl").read_text().splitlines()]
+    assert [(a["attempt"], a["world_size"], len(a["machines"])) for a in attempts] == [(0, 4, 2), (1, 2, 1)], attempts
+    # The newest complete checkpoint: step 6's, or step 4's when the kill cut step 6's write short.
+    resumed = attempts[1]["resumed_from_step"]
+    assert resumed in (4, 6) and resumed + attempts[1]["steps_redone"] == 6, attempts
+    if made:  # machines are told apart by their addresses; on loopback both are 127.0.0.1
+        assert attempts[1]["left"] == [made[1][1]], attempts
+        assert sorted(attempts[0]["machines"]) == sorted(address for _, address in made), attempts
+    assert "attempt 1 runs on 2 workers of 1 machine(s)" in err, err[-3000:]
+    assert "plan is off" not in err, err[-3000:]  # the planner checked the world the job ended on
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "3:2"], "argument --nnodes: MIN 3 is above MAX 2; pass --nnodes 2:3"),
+    (["--nnodes", "1:2", "--node-rank", "1"], "--node-rank 1: with --nnodes 1:2 the rendezvous numbers the machines"),
+    (["--nnodes", "1:3", "--set", "parallel.dp=2"], "parallel.dp=2 fixes the number of workers, and --nnodes 1:3"),
+    (["--nnodes", "1:3", "--set", "train.global_batch=8", "--set", "train.micro_batch=4"],
+     "--nnodes 1:3: on 2 machine(s) (4 workers): train.global_batch=8 is not divisible"),
+])
+def test_an_elastic_job_that_cannot_work_on_every_membership_is_refused(tmp_path, capsys, flags, message):
+    args = ["train", "--nproc", "2", "--master-port", "29500", "--run-dir", str(tmp_path / "run"), *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import Config
+from .launch.elastic import node_range
 from .train.api import TrainJob, TrainResult, TrainingFailed, Workers, check_job, prepare_job, run_job
 
 __all__ = ["TrainResult", "TrainingFailed", "plan", "train"]
@@ -23,14 +24,15 @@ OOM_HINT = "apply one of the changes above with --set (or raise memory.limit_byt
 
 
 def train(config: str | Path | Config | None = None, nproc: int | None = None, run_dir: str | Path | None = None,
-          resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int = 1, node_rank: int = 0,
+          resume: str = "none", *, overrides=(), auto: bool = False, nnodes: int | str = 1, node_rank: int = 0,
           master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
           resume_changed: bool = False, overwrite: bool = False) -> TrainResult:
     """Train as `config` says (a .toml path, a `Config`, or None: the tiny model on the
     built-in corpus) on `nproc` local worker processes, or as one rank inside torchrun.
 
     overrides: ["train.steps=10", ...] on top of the config (like --set); auto: the planner's
-    layout; nnodes, node_rank, master_addr, master_port, max_restarts: as the command line's.
+    layout; nnodes, node_rank, master_addr, master_port, max_restarts: as the command line's
+    (nnodes "MIN:MAX": an elastic job, as `--nnodes MIN:MAX`).
     `resume`: "none", "auto" (the newest checkpoint in `run_dir`) or a run folder or
     checkpoint; a resume whose tokenizer, data, sequence length, global batch or seed differ
     from the checkpoint's is refused unless `resume_changed` (summary.json then records the
@@ -43,9 +45,9 @@ def train(config: str | Path | Config | None = None, nproc: int | None = None, r
     `TrainingFailed` (with `hint`, and the measured `out_of_memory` figures and the
     planner's `explanation` when it ran out) when a worker fails.
     """
-    job = prepare_job(config, overrides, run_dir, resume,
-                      Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts), resume_changed,
-                      overwrite)
+    min_nodes, nnodes = node_range(nnodes, "nnodes=")
+    workers = Workers(nproc, nnodes, node_rank, master_addr, master_port, max_restarts, min_nodes)
+    job = prepare_job(config, overrides, run_dir, resume, workers, resume_changed, overwrite)
     if auto:
         _apply_auto(job)
     check_job(job)

@@ -109,7 +109,7 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set train.steps=10 (repeatable; default none)")
     p.add_argument("--nproc", type=COUNT, metavar="N", help="local worker processes (default: one per GPU, 2 on a CPU)")
     p.add_argument("--run-dir", metavar="DIR", help="where to write the run (default runs/<timestamp>-<preset>)")
-    _add_node_args(p)
+    _add_node_args(p, elastic=True)
     p.add_argument("--max-restarts", type=number(int, at_least=0), default=0, metavar="K",
                    help="restart the workers up to K times after a failure, resuming from the newest checkpoint "
                         "(default %(default)s)")
@@ -328,11 +328,29 @@ def _add_plan(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_node_args(p: argparse.ArgumentParser, node0: str = "") -> None:
+def _node_count(text: str) -> int | str:
+    """train's --nnodes: N machines, or MIN:MAX for an elastic job (kept as that text)."""
+    from .errors import ConfigError
+    from .launch.elastic import node_range
+
+    try:
+        low, high = node_range(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--nnodes {text}: ").removeprefix("--nnodes ")) from None
+    return high if low == high else f"{low}:{high}"
+
+
+def _add_node_args(p: argparse.ArgumentParser, node0: str = "", elastic: bool = False) -> None:
     """The machines a job runs on: the same flags for `train` and `serve`, None when not passed
-    (a cluster launcher's values, else launch.Nodes' defaults, fill them in: cli._node_settings)."""
-    p.add_argument("--nnodes", type=COUNT, metavar="N", help="number of machines (default 1, or what Slurm, Kubeflow "
-                   "or SkyPilot says: docs/multinode.md)")
+    (a cluster launcher's values, else launch.Nodes' defaults, fill them in: cli._node_settings).
+    `elastic`: --nnodes also takes MIN:MAX (train)."""
+    if elastic:
+        p.add_argument("--nnodes", type=_node_count, metavar="N|MIN:MAX", help="number of machines (default 1, or "
+                       "what Slurm, Kubeflow or SkyPilot says), or MIN:MAX for a job that goes on when machines leave "
+                       "and takes in those that join: docs/multinode.md")
+    else:
+        p.add_argument("--nnodes", type=COUNT, metavar="N", help="number of machines (default 1, or what Slurm, "
+                       "Kubeflow or SkyPilot says: docs/multinode.md)")
     p.add_argument("--node-rank", type=number(int, at_least=0), metavar="R",
                    help=f"this machine's rank, 0..nnodes-1{node0} (default 0, or the cluster launcher's)")
     p.add_argument("--master-addr", metavar="HOST", help="address of node 0 (default 127.0.0.1, or the cluster "

@@ -7,10 +7,11 @@ device (with pipeline parallel, the fullest stage).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, resolve_world
 from ..io.run_dir import SUMMARY_FILE
 from ..models.llama import LlamaConfig
 from ..plan.api import predict_for_config
@@ -52,6 +53,10 @@ def check_run(run_dir: str | Path, cfg: Config, model_cfg: LlamaConfig, world: i
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
+    if summary.get("world_size", world) != world:  # an elastic job that ended on fewer or more machines
+        cfg, world = copy.deepcopy(cfg), summary["world_size"]
+        cfg.parallel.dp = -1
+        resolve_world(cfg, world)
     prediction = predict_for_config(cfg, model_cfg, world, device)
     summary["plan_check"] = check = compare(summary, prediction, device, cfg.memory.offload)
     tmp = path.with_suffix(".tmp")

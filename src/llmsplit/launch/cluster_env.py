@@ -174,11 +174,13 @@ def _kubeflow(env: Mapping[str, str]) -> ClusterEnv | None:
     MASTER_ADDR and MASTER_PORT."""
     if not env.get("PET_NNODES"):
         return None
-    if ":" in env["PET_NNODES"]:  # min:max, an elastic job: llmsplit's node count is fixed
+    if ":" in env["PET_NNODES"]:  # min:max, an elastic job: only from --nnodes MIN:MAX (launch/elastic.py)
         low, _, high = env["PET_NNODES"].partition(":")
         if low != high:
-            raise ConfigError(f"PET_NNODES={env['PET_NNODES']!r} asks for an elastic job, which llmsplit does not "
-                              f"run; give the job a fixed number of nodes (minReplicas = maxReplicas) or pass --nnodes")
+            raise ConfigError(f"PET_NNODES={env['PET_NNODES']!r} asks for an elastic job, which llmsplit takes from "
+                              f"its own flags only; pass --nnodes {low}:{high} --master-addr HOST --master-port PORT "
+                              f"(docs/multinode.md), or give the job a fixed number of nodes (minReplicas = "
+                              f"maxReplicas)")
         env = {**env, "PET_NNODES": low}
     addr, port = _first(env, "PET_MASTER_ADDR", "MASTER_ADDR"), _first(env, "PET_MASTER_PORT", "MASTER_PORT")
     return ClusterEnv("Kubeflow (PET_*)", _number(env, "PET_NNODES"), _number(env, "PET_NODE_RANK"), env.get(addr),

@@ -93,7 +93,7 @@ class Followers:
 
         ranks = nodes.ranks(world)
         method, threads = prepare_workers(len(ranks), [entrypoint.__module__])
-        use_master_route(nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port)
+        use_master_route(nodes.nnodes, f"node {nodes.node_rank}", nodes.master_addr, nodes.master_port)
         timeout = timedelta(seconds=timeout_s)
         self.nodes, self.world, self.store = nodes, world, None
         if nodes.node_rank == 0:  # the job's store; on the other nodes the followers reach it themselves

@@ -48,6 +48,11 @@ def _ipv6_of(name: str) -> list[str]:
     return [socket.inet_ntop(socket.AF_INET6, bytes.fromhex(r[0])) for r in rows if len(r) == 6 and r[5] == name]
 
 
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface `name` (else its first IPv6 one), or None."""
+    return _ipv4_of(name) or next(iter(_ipv6_of(name)), None)
+
+
 def interface_of(address: str) -> str | None:
     """The name of the interface that holds `address`, or None (not found, or not Linux)."""
     try:

@@ -21,6 +21,7 @@ from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
 from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
 from .cluster_env import drop_launcher_variables
+from .elastic import c10d_settings
 from .forkserver import fork_forkserver
 from .network import bind_collectives_to_master_route
 from .restarts import FailureWatch
@@ -98,13 +99,14 @@ def doctor_hint(addr: str, port: int) -> str:
             f"`llmsplit doctor --master-addr {addr} --master-port {port}` on each node")
 
 
-def use_master_route(nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> None:
+def use_master_route(nnodes: int, node: str, master_addr: str, master_port: int | None) -> None:
     """Across machines, bind this node's collectives to its route to the master (launch/network.py)
-    and say which interface that is: the one thing a peer needs to reach this node."""
+    and say which interface that is: the one thing a peer needs to reach this node (`node`
+    names it: "node 1")."""
     if nnodes > 1:
         name = bind_collectives_to_master_route(master_addr, master_port)
         if name is not None:
-            print(f"llmsplit: node {node_rank}: collectives on interface {name}, the route to the master "
+            print(f"llmsplit: {node}: collectives on interface {name}, the route to the master "
                   f"{master_addr} (set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose another)",
                   file=sys.stderr, flush=True)
 
@@ -279,10 +281,12 @@ def _in_environment(environment: dict[str, str], cwd: str, entrypoint, *args):
 
 def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, max_restarts: int = 0,
-           timeout_s: float = 600.0, preload: tuple[str, ...] = ()) -> dict:
+           timeout_s: float = 600.0, preload: tuple[str, ...] = (), min_nodes: int | None = None) -> dict:
     """Run `entrypoint(*args)` in nproc × nnodes workers; returns {global rank: return value}.
     The nodes wait up to `timeout_s` for each other. `preload`: modules the workers import
     besides the entrypoint's own, imported once for all of them (`prepare_workers`).
+    `min_nodes` below `nnodes`: an elastic job of min_nodes to nnodes machines, numbered by
+    torch's c10d rendezvous instead of `node_rank` (launch/elastic.py).
 
     The rendezvous is the static one (what `torchrun --node-rank --master-addr
     --master-port` uses): node 0 hosts a c10d TCPStore at master-addr:master-port and every
@@ -290,8 +294,8 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     ignore --node-rank and number nodes by sorting host names and process ids, so global
     rank 0, the one that writes metrics, summary and checkpoint markers, could land on
     any machine; users of --node-rank expect node 0 to be the master they named. What
-    c10d adds, nodes joining or leaving a running job, llmsplit does not offer
-    (min_nodes = max_nodes); plain `torchrun --rdzv-backend c10d` still runs llmsplit.
+    c10d adds, nodes leaving a running job, is what `min_nodes` asks for, and there the
+    rendezvous numbers the nodes; plain `torchrun --rdzv-backend c10d` runs llmsplit too.
     """
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -301,16 +305,18 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         if nnodes > 1:
             raise ValueError("--master-port is required with --nnodes > 1")
         master_port = free_port()
+    elastic = min_nodes is not None and min_nodes < nnodes
     method, threads = prepare_workers(nproc, [entrypoint.__module__, *preload])
     os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
-    use_master_route(nnodes, node_rank, master_addr, master_port)
-    config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
-        run_id=f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}",
-        rdzv_backend="static", rdzv_endpoint=f"{master_addr}:{master_port}",
-        rdzv_configs={"rank": node_rank, "timeout": int(max(1, timeout_s))},
-        max_restarts=max_restarts, monitor_interval=0.1, start_method=method,
-    )
+    use_master_route(nnodes, "this node" if elastic else f"node {node_rank}", master_addr, master_port)
+    if elastic:
+        rendezvous = c10d_settings(master_addr, master_port, timeout_s)
+    else:
+        run_id = f"llmsplit-{uuid.uuid4().hex[:8]}" if nnodes == 1 else f"llmsplit-{master_addr}-{master_port}"
+        rendezvous = {"rdzv_backend": "static", "rdzv_endpoint": f"{master_addr}:{master_port}", "run_id": run_id,
+                      "rdzv_configs": {"rank": node_rank, "timeout": int(max(1, timeout_s))}}
+    config = LaunchConfig(min_nodes=min_nodes if elastic else nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+                          max_restarts=max_restarts, monitor_interval=0.1, start_method=method, **rendezvous)
     environment = {name: value for name, value in os.environ.items() if name not in AGENT_VARIABLES}
     try:
         with FailureWatch(environment, first_rank=node_rank * nproc):  # a restart's workers say why
@@ -321,6 +327,9 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         if nnodes == 1:
             raise
         waited = f"within {timeout_s:g}s (train.timeout_s)"
+        if elastic:
+            raise LaunchError(f"fewer than {min_nodes} nodes met at {master_addr}:{master_port} {waited}: {e}",
+                              doctor_hint(master_addr, master_port)) from None
         if node_rank == 0:
             raise LaunchError(f"not all {nnodes} nodes joined at {master_addr}:{master_port} {waited}: {e}",
                               doctor_hint(master_addr, master_port)) from None

@@ -15,25 +15,34 @@ from pathlib import Path
 from ..config import Config, load_config, model_config, record_model_sizes, to_toml, validate
 from ..errors import ConfigError
 from ..launch import LaunchError, Nodes, default_nproc, launch, under_torchrun
+from ..launch.elastic import check_node_rank, hosts_rendezvous
 from ..models.llama import LlamaConfig
 
 
-# What a training worker imports before its first step ends: its entry point, the trainer, and
-# torch._dynamo (with triton where installed), which torch.optim imports at the first step:
-# 0.8 s and ~80 MiB of peak in every worker when each imports it alone. Imported once, in the
-# workers' server, and shared by every worker it forks (launch/forkserver.py).
+# What a training worker imports before its first step ends: its entry, the trainer, torch._dynamo
+# (torch.optim imports it, with triton, at the first step: 0.8 s and ~60 MiB of peak in every worker
+# importing it alone). Imported once, in the workers' server, shared by all (launch/forkserver.py).
 WORKER_MODULES = ("llmsplit.train.entry", "llmsplit.train.trainer", "torch._dynamo")
 
 @dataclass
 class Workers:
     """Where the workers run: `nproc` on this machine (default: one per GPU, 2 on a CPU) ×
-    `nnodes` machines; torchrun's environment, when present, decides instead."""
+    `nnodes` machines (min_nodes to nnodes: an elastic job, launch/elastic.py); torchrun's
+    environment, when present, decides instead."""
     nproc: int | None = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     max_restarts: int = 0
+    min_nodes: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    def holds_run_folder(self) -> bool:  # node 0 locks the run folder; in an elastic job, the one at --master-addr
+        return hosts_rendezvous(self.master_addr) if self.elastic else self.node_rank == 0
 
 
 @dataclass
@@ -155,7 +164,9 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
     # The process that will hold the folder's lock (run_job): rank 0 inside torchrun, node 0
     # of our own multi-node launch. The other nodes share the folder and must not look for a
     # free lock that node 0 already holds.
-    rank0 = int(os.environ["RANK"]) == 0 if torchrun else w.node_rank == 0
+    if w.elastic:
+        check_node_rank(w.node_rank, w.min_nodes, w.nnodes)
+    rank0 = int(os.environ["RANK"]) == 0 if torchrun else w.holds_run_folder()
     if run_dir is not None and rank0:
         check_free(run_dir)  # a run in progress is named before anything else is said about its folder
     if resume == "auto" and run_dir is None:
@@ -225,6 +236,10 @@ def check_job(job: TrainJob) -> None:
     from ..io.run_dir import checkpoint_dir, usable_checkpoint
 
     check_moe_training(job)
+    if job.workers.elastic and not job.torchrun:
+        from .membership import check_every_membership
+
+        check_every_membership(job)
     validate(job.cfg, job.world, job.model_cfg, job.tokenizer_vocab)
     if job.cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard=true writes events with the tensorboard package, which is not installed; "
@@ -234,7 +249,9 @@ def check_job(job: TrainJob) -> None:
         from ..io.peft_adapter import check_init
 
         check_init(job.cfg.lora.init, job.cfg.lora)
-    if job.resume == "auto":  # the workers warn about the checkpoints skipped
+    # The workers warn about the checkpoints skipped. Where the run folder is another node's (one
+    # joining an elastic job under way), its rank 0 reads them: here they may be half written.
+    if job.resume == "auto" and (job.torchrun or job.workers.holds_run_folder()):
         job.resume_from = usable_checkpoint(checkpoint_dir(job.cfg, job.run_dir))[0]
         _check_fresh_start(job)
     if job.resume_from is not None:
@@ -296,7 +313,7 @@ def run_job(job: TrainJob) -> TrainResult:
         locks = int(os.environ["RANK"]) == 0
     else:
         run_dir = job.run_dir or (default_run_dir(cfg.model.preset) if w.nnodes == 1 else None)
-        locks = run_dir is not None and w.node_rank == 0
+        locks = run_dir is not None and w.holds_run_folder()
     with holding(run_dir) if locks else contextlib.nullcontext():
         if job.overwrite and locks:
             _start_over(run_dir)
@@ -325,6 +342,10 @@ def _worker_args(job: TrainJob, run_dir: Path | None) -> tuple:
     # A checkpoint named by --resume was resolved (a run folder to its newest checkpoint)
     # and checked before the workers start: they load that one.
     resume = job.resume if job.resume in ("auto", "none") else str(job.resume_from)
+    if job.workers.elastic and not job.torchrun:
+        from .membership import elastic_config
+
+        return elastic_config(job.cfg), str(run_dir) if run_dir else None, resume
     return to_toml(job.cfg), str(run_dir) if run_dir else None, resume
 
 
@@ -353,7 +374,8 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
     try:
         returned = launch(job.entry or run_worker, _worker_args(job, run_dir), nproc=nproc, nnodes=w.nnodes,
                           node_rank=w.node_rank, master_addr=w.master_addr, master_port=w.master_port,
-                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s, preload=job.preload)
+                          max_restarts=w.max_restarts, timeout_s=job.cfg.train.timeout_s, preload=job.preload,
+                          min_nodes=w.min_nodes)
     except Exception as e:
         resume = f"`--resume auto --run-dir {run_dir}` continues from the newest checkpoint"
         # torch records each worker's error in a file under the temporary folder: on a full

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..adapters.lora import parameter_counts
-from ..config import Config, config_from_toml, layout_of, model_config, to_toml, workload_of
+from ..config import Config, config_from_toml, layout_of, model_config, resolve_world, to_toml, workload_of
 from ..data.datasets import build_samplers
 from ..data.loader import Batch
 from ..io.weights import pretrained_weights
@@ -42,6 +42,7 @@ from .grad_dump import dump_gradients, loss_divisor, planted_loss
 from .hangs import HangReporter
 from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
+from .membership import record_membership
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .moe_stats import ExpertStats
 from .objectives import build_objective
@@ -80,6 +81,8 @@ def train_worker(config_text: str, run_dir: str | None, resume: str = "none", tr
     returns the run's summary (what summary.json holds), the other ranks None."""
     cfg = config_from_toml(config_text)
     device = join_job(cfg.train.timeout_s)
+    if cfg.parallel.dp <= 0:  # an elastic job's: the world that met decides (train/membership.py)
+        resolve_world(cfg, dist.get_world_size())
     hangs = HangReporter(cfg.train.timeout_s)
     try:
         return (trainer_class or Trainer)(cfg, run_dir, resume, device, hangs).train()
@@ -129,6 +132,7 @@ class Trainer:
         self.saves = Saves(cfg.checkpoint, device, hangs)
         self.inputs = run_inputs(cfg) if self.rank0 else {}  # what a resume must continue with (resume_check.py)
         self.start_step = self._resume(resume)
+        record_membership(self.run_dir, self.start_step, self.rank0)  # who left or joined since the last attempt
 
         t = cfg.train
         self.per_rank = t.global_batch // self.dp_size
@@ -360,12 +364,13 @@ class Trainer:
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
-    """`LLMSPLIT_FAULT=RANK:STEP[:kill|hang]` makes that rank raise (die by SIGKILL, or
-    stop answering) at that step of the first attempt: how the tests check failure
-    reports, crash restarts and hang reports without waiting for a real failure."""
+    """`LLMSPLIT_FAULT=RANK:STEP[:kill|hang]` makes that rank (`*`: every worker of the node
+    whose launcher has it) raise (die by SIGKILL, or stop answering) at that step of the first
+    attempt: how the tests check failure reports, crash restarts, hang reports and lost
+    machines without waiting for a real failure."""
     spec = os.environ.get("LLMSPLIT_FAULT", "")
     parts = spec.split(":")
-    if len(parts) < 2 or parts[:2] != [str(rank), str(step)]:
+    if len(parts) < 2 or parts[0] not in (str(rank), "*") or parts[1] != str(step):
         return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
