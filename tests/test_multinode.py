@@ -85,13 +85,27 @@ def _wait_for_step(run_dir, step: int, procs, timeout_s: float = 180) -> None:
     raise AssertionError(f"the job never logged step {step}: {[p.poll() for p in procs]}")
 
 
+def _wait_for(path, lines: int, procs, timeout_s: float = 180) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and len(path.read_text().splitlines()) >= lines:
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never had {lines} lines: {[p.poll() for p in procs]}")
+
+
 @pytest.mark.slow
-def test_an_elastic_job_that_loses_a_machine_finishes_on_the_other_as_one_process_would(tmp_path):
-    """--nnodes 1:2, 2 machines x 2 workers, ZeRO-3, a checkpoint every 2 steps: every process
-    of machine 1 is killed at step 7 (its workers stop answering there, then the test kills
-    its launcher, server and workers at once); machine 0 meets again alone and resumes from
-    step 6 on 2 workers with the same global batch, and every step's loss and gradient norm
-    are the single process's; membership.jsonl says who left."""
+def test_an_elastic_job_goes_on_without_a_lost_machine_and_takes_it_back_as_one_process_would(tmp_path):
+    """--nnodes 1:2, 2 machines x 2 workers, ZeRO-3, a checkpoint every 2 steps. Machine 1 is
+    lost at step 7 (its workers stop answering there, then every process of it is killed at
+    once): machine 0 meets again alone and resumes on its 2 workers with the same global batch.
+    Machine 1 is started again (`--resume auto`) while machine 0 pauses at step 10 of that
+    attempt: the two meet and finish on 4 workers. Every step's loss and gradient norm are
+    the single process's; membership.jsonl says who left and who joined."""
     import os
     import signal
 
@@ -104,28 +118,36 @@ def test_an_elastic_job_that_loses_a_machine_finishes_on_the_other_as_one_proces
                "--master-port", str(port), "--max-restarts", "1", "--run-dir", str(run)]
         for s in sets:
             cmd += ["--set", s]
-        env = [dict(os.environ), dict(os.environ, LLMSPLIT_FAULT="*:7:hang")]  # machine 1 stalls at step 7
-        procs = [subprocess.Popen(prefixes[node] + cmd, env=env[node], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True) for node in (0, 1)]
+
+        def start(node: int, fault: str, *extra: str) -> subprocess.Popen:
+            return subprocess.Popen(prefixes[node] + cmd + list(extra), env=dict(os.environ, LLMSPLIT_FAULT=fault),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+
+        # Machine 1 stalls at step 7 of the first attempt; machine 0 pauses 10 s at step 10 of
+        # its restart, while machine 1 comes back (and again when it redoes step 10 with it).
+        procs = [start(0, "*:10:pause:1"), start(1, "*:7:hang")]
         try:
             _wait_for_step(run, 6, procs)
             os.killpg(procs[1].pid, signal.SIGKILL)  # machine 1 is lost: every process of it at once
+            _wait_for(run / "membership.jsonl", 2, procs[:1])  # machine 0 goes on alone
+            procs[1] = start(1, "", "--resume", "auto")  # machine 1 comes back
             out, err = procs[0].communicate(timeout=300)
+            err += procs[1].communicate(timeout=60)[1]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-    assert procs[0].returncode == 0, err[-3000:]
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, err[-3000:]
     assert_close_losses(losses(run), losses(tmp_path / "ref"))
     attempts = [json.loads(line) for line in (run / "membership.jsonl").read_text().splitlines()]
-    assert [(a["attempt"], a["world_size"], len(a["machines"])) for a in attempts] == [(0, 4, 2), (1, 2, 1)], attempts
+    assert [(a["attempt"], a["world_size"], len(a["machines"])) for a in attempts] == [(0, 4, 2), (1, 2, 1), (2, 4, 2)]
     # The newest complete checkpoint: step 6's, or step 4's when the kill cut step 6's write short.
-    resumed = attempts[1]["resumed_from_step"]
-    assert resumed in (4, 6) and resumed + attempts[1]["steps_redone"] == 6, attempts
+    assert attempts[1]["resumed_from_step"] + attempts[1]["steps_redone"] == 6, attempts
+    assert attempts[2]["resumed_from_step"] == 8 and attempts[2]["steps_redone"] == 1, attempts
     if made:  # machines are told apart by their addresses; on loopback both are 127.0.0.1
-        assert attempts[1]["left"] == [made[1][1]], attempts
-        assert sorted(attempts[0]["machines"]) == sorted(address for _, address in made), attempts
-    assert "attempt 1 runs on 2 workers of 1 machine(s)" in err, err[-3000:]
+        assert attempts[1]["left"] == [made[1][1]] and attempts[2]["joined"] == [made[1][1]], attempts
+    assert "attempt 2 runs on 4 workers of 2 machine(s)" in err, err[-3000:]  # said by rank 0's machine
     assert "plan is off" not in err, err[-3000:]  # the planner checked the world the job ended on
 
 

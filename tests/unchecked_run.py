@@ -10,9 +10,11 @@ import sys
 
 def main(run_dir: str, sets: list[str], nproc: int = 2) -> None:
     from llmsplit.config import load_config, model_config, record_model_sizes, resolve_world, to_toml
-    from llmsplit.launch import LaunchError, launch
+    from llmsplit.launch import LaunchError, claim_process_for_launching, launch
+    from llmsplit.train.api import WORKER_MODULES
     from llmsplit.train.entry import run_worker
 
+    claim_process_for_launching(WORKER_MODULES)  # a program that only launches, as `llmsplit train` is
     cfg = load_config(None, ["train.steps=1", "train.warmup_steps=0", "train.timeout_s=60", *sets])
     resolve_world(cfg, nproc)  # dp from the world size, as validate would; no splitting rule is checked
     record_model_sizes(cfg, model_config(cfg, 258))

@@ -82,6 +82,15 @@ def _node_settings(args) -> dict:
     return {**settings, "nnodes": elastic} if elastic else settings
 
 
+def _fork_followers_server(args) -> None:
+    """generate/serve/eval over --tp/--pp worker processes: the server of their follower ranks
+    forked from this program now, before it computes anything (launch/forkserver.py)."""
+    from .launch import fork_workers_server, under_torchrun
+
+    if args.program and args.tp * args.pp > 1 and not under_torchrun():
+        fork_workers_server(("llmsplit.infer.runner.split",))
+
+
 # ---------------------------------------------------------------- generate
 
 def cmd_generate(args) -> int:
@@ -91,6 +100,7 @@ def cmd_generate(args) -> int:
     from .infer.api import generation_context
     from .io.weights import open_weights
 
+    _fork_followers_server(args)
     keep_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
@@ -232,6 +242,7 @@ def cmd_serve(args) -> int:
     from .plan.placement import parse_size
     from .launch import Nodes
 
+    _fork_followers_server(args)
     keep_freed_memory()  # this process is llmsplit's own: its steps reuse their memory (allocator.py)
     try:
         from .infer.serve.server import serve
@@ -333,6 +344,8 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     import llmsplit
+
+    _fork_followers_server(args)
 
     try:
         from lm_eval import simple_evaluate

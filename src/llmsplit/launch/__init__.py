@@ -5,9 +5,9 @@ A process utility under both `train/` and `infer/`: it imports neither."""
 
 from .followers import Followers, Nodes
 from .restarts import restart_note
-from .workers import (PEER_GONE, LaunchError, check_master_addr, claim_process_for_launching, default_nproc, free_port,
-                      join_job, launch, start_method, under_torchrun, worker_entry)
+from .workers import (PEER_GONE, LaunchError, check_master_addr, claim_process_for_launching, default_nproc,
+                      fork_workers_server, free_port, join_job, launch, start_method, under_torchrun, worker_entry)
 
 __all__ = ["PEER_GONE", "Followers", "LaunchError", "Nodes", "check_master_addr", "claim_process_for_launching",
-           "default_nproc", "free_port", "join_job", "launch", "restart_note", "start_method", "under_torchrun",
-           "worker_entry"]
+           "default_nproc", "fork_workers_server", "free_port", "join_job", "launch", "restart_note", "start_method",
+           "under_torchrun", "worker_entry"]

@@ -8,9 +8,8 @@ others fail in their next collective (the peer's connection closes) and their ag
 within --max-restarts, meet again without it and start new workers, which resume from the
 newest complete checkpoint on the new world size (train/run_files.resume_source) with
 `parallel.dp` derived again from it (train.trainer.train_worker). A node that starts while
-the job runs is seen by the running agents (`num_nodes_waiting`), which restart their workers
-to take it in; with torch 2.13 that rendezvous times out after 60 s on every node and the job
-ends (docs/multinode.md, issue 50): not yet something to rely on.
+the job runs waits in the rendezvous; the running agents see it (`num_nodes_waiting`) and
+restart their workers to take it in, which torch does not count against --max-restarts.
 
 Node numbers come from the rendezvous, not from --node-rank: global rank 0, which writes
 the run folder, may run on any machine, so the run folder must be one every node reaches
@@ -20,6 +19,7 @@ the run folder, may run on any machine, so the run folder must be one every node
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 
 from ..errors import ConfigError
@@ -74,6 +74,12 @@ def c10d_settings(master_addr: str, master_port: int, timeout_s: float) -> dict:
     resolves to, which on a machine whose name maps to 127.0.1.1 matches none, so that no
     node would host it), except on a loopback master, where every "node" is this machine
     and torch's guess, with its fallback to joining when the port is taken, is right."""
+    # torch 2.13 shares the rendezvous's store with the workers by default and keeps the
+    # address it published in the first round: when a machine joins, the agents of the next
+    # round wait for a MASTER_ADDR the old rank 0 never publishes again (both stopped after
+    # 60 s; measured on network namespaces). Without the sharing, rank 0's node publishes a
+    # fresh address every round. A value the user exported is kept.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     configs = {"join_timeout": int(max(1, timeout_s)), "last_call_timeout": LAST_CALL_S}
     settings = {"rdzv_backend": "c10d", "rdzv_endpoint": f"{master_addr}:{master_port}",
                 "run_id": f"llmsplit-{master_addr}-{master_port}", "rdzv_configs": configs}

@@ -132,6 +132,12 @@ def claim_process_for_launching(worker_modules: tuple[str, ...] = ()) -> None:
     CPU it forks its workers' server from itself now, while that is safe, and the server
     imports `worker_modules` while this process plans (launch/forkserver.py)."""
     torch.set_num_threads(1)
+    fork_workers_server(worker_modules)
+
+
+def fork_workers_server(worker_modules: tuple[str, ...]) -> None:
+    """On the CPU, fork the workers' server from this process now: only at a program's start,
+    before it computes anything (launch/forkserver.py)."""
     if start_method() == "forkserver":
         fork_forkserver(["torch", *worker_modules])
 
@@ -343,7 +349,11 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
 def attempt_store(store):
     """The elastic agent keeps one store for the whole job (the static rendezvous reuses it
     after a restart), so a restarted worker could read an address its dead predecessor
-    published and fail to connect. Keys are kept apart per attempt."""
+    published and fail to connect. Keys are kept apart per attempt there. An elastic job's
+    workers get a fresh store every round (launch/elastic.py) and must not: a machine that
+    joined later counts its own restarts from 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        return store
     return dist.PrefixStore(f"llmsplit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -61,8 +61,8 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     joined since the attempt before, the checkpoint step it resumed from and the logged steps
     it redoes) and says it on stderr after a restart. Called by every rank (it gathers each
     rank's machine), after the resume and before the metrics of the resumed run are trimmed."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not restarted and int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
     nodes = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, (int(os.environ.get("GROUP_RANK", "0")), _node_address()))
@@ -71,7 +71,10 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     machines = [address for _, address in sorted(set(nodes))]
     path = run_dir / MEMBERSHIP_FILE
     before = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    previous = before[-1]["machines"] if before and attempt > 0 else []
+    # Counted here, not from torch's restart count: a machine that joined later (whose rank 0
+    # this may be) counts its own restarts from 0. A fresh run's first attempt starts the file.
+    attempt = len(before) if before and (restarted or resumed_from_step) else 0
+    previous = before[-1]["machines"] if attempt > 0 else []
     logged = [r["step"] for r in read_metrics(run_dir / METRICS_FILE)] if (run_dir / METRICS_FILE).is_file() else []
     record = {"attempt": attempt, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "world_size": dist.get_world_size(), "machines": machines,

@@ -364,18 +364,22 @@ class Trainer:
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
-    """`LLMSPLIT_FAULT=RANK:STEP[:kill|hang]` makes that rank (`*`: every worker of the node
-    whose launcher has it) raise (die by SIGKILL, or stop answering) at that step of the first
-    attempt: how the tests check failure reports, crash restarts, hang reports and lost
-    machines without waiting for a real failure."""
+    """`LLMSPLIT_FAULT=RANK:STEP[:kill|hang|pause[:ATTEMPT]]` makes that rank (`*`: every
+    worker of the node whose launcher has it) raise (die by SIGKILL, stop answering, stop for
+    10 s) at that step of the first attempt (of restart ATTEMPT: torch's count, which a
+    machine joining does not raise): how the tests check failure reports, crash restarts,
+    hang reports and lost or joining machines without waiting for a real failure."""
     spec = os.environ.get("LLMSPLIT_FAULT", "")
     parts = spec.split(":")
     if len(parts) < 2 or parts[0] not in (str(rank), "*") or parts[1] != str(step):
         return
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != (parts[3] if len(parts) > 3 else "0"):
         return
-    if parts[2:] == ["kill"]:
+    if parts[2:3] == ["kill"]:
         os.kill(os.getpid(), signal.SIGKILL)
-    if parts[2:] == ["hang"]:
+    if parts[2:3] == ["pause"]:
+        time.sleep(10)
+        return
+    if parts[2:3] == ["hang"]:
         time.sleep(24 * 3600)  # until the launcher stops this worker after the others time out
     raise RuntimeError(f"fault injected by LLMSPLIT_FAULT={spec}")
