@@ -163,3 +163,20 @@ def test_an_elastic_job_that_cannot_work_on_every_membership_is_refused(tmp_path
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_machines_started_with_different_configs_are_refused_by_name(tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen(_node(node, port, tmp_path / "run", 1, *TINY, f"train.lr={lr}"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node, lr in ((0, 0.003), (1, 0.001))]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], errs
+    for err in errs:
+        assert ("(node 1) was started with another config than node 0 (127.0.0.1): train.lr=0.001 there, 0.003 on "
+                "node 0; start every machine with the same config and --set flags") in err, err[-3000:]
+        assert "hint:" not in err  # the sentence says the fix; no "--resume auto" hint for this one

@@ -60,8 +60,7 @@ class TrainJob:
     resume_changed: bool = False  # --resume-changed: the inputs may differ from the checkpoint's
     resume_changes: dict = field(default_factory=dict)  # what differs (resume_check.resume_changes), for the summary
     overwrite: bool = False  # --overwrite: the run that --run-dir holds is moved aside and the folder started over
-    # The workers' entry point and the modules their processes import first: train.entry.run_worker
-    # (None), or a room above training's that extends the trainer (posttrain/entry.py, for GRPO).
+    # The workers' entry point and first imports: train.entry.run_worker (None), or a room above (posttrain/entry.py)
     entry: object = None
     preload: tuple[str, ...] = WORKER_MODULES
 
@@ -161,9 +160,8 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
         raise ConfigError(f"--max-restarts {w.max_restarts} must be 0 or more")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} is a file; pass a folder")
-    # The process that will hold the folder's lock (run_job): rank 0 inside torchrun, node 0
-    # of our own multi-node launch. The other nodes share the folder and must not look for a
-    # free lock that node 0 already holds.
+    # The process that will hold the folder's lock (run_job): rank 0 inside torchrun, else node 0
+    # (Workers.holds_run_folder); the other nodes must not look for a free lock node 0 holds.
     if w.elastic:
         check_node_rank(w.node_rank, w.min_nodes, w.nnodes)
     rank0 = int(os.environ["RANK"]) == 0 if torchrun else w.holds_run_folder()
@@ -339,8 +337,8 @@ def _start_over(run_dir: Path) -> None:
 
 
 def _worker_args(job: TrainJob, run_dir: Path | None) -> tuple:
-    # A checkpoint named by --resume was resolved (a run folder to its newest checkpoint)
-    # and checked before the workers start: they load that one.
+    # A checkpoint named by --resume was resolved (a run folder to its newest checkpoint) and
+    # checked before the workers start: they load that one.
     resume = job.resume if job.resume in ("auto", "none") else str(job.resume_from)
     if job.workers.elastic and not job.torchrun:
         from .membership import elastic_config
@@ -391,6 +389,8 @@ def _run_local(job: TrainJob, run_dir: Path | None) -> TrainResult:
             raise TrainingFailed(str(e), out_of_memory=e.details) from None
         if e.error_type == "RewardFailed":  # GRPO's reward function (posttrain/rewards.py): the user's code
             raise TrainingFailed(str(e), f"fix the function; the checkpoints written stay valid: {resume}") from None
+        if e.error_type == "ConfigMismatch":  # machines started with other configs: the message says the fix
+            raise TrainingFailed(str(e)) from None
         if e.error_type == NoSpaceLeft.__name__:
             raise TrainingFailed(str(e), f"once the disk of {e.details['path']} has room again, {resume}") from None
         if disk_full(e, tmp):

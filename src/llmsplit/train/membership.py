@@ -89,3 +89,40 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
               f"{' (' + '; '.join(changes) + ')' if changes else ''}, from step {resumed_from_step}"
               f"{' (' + str(record['steps_redone']) + ' logged steps redone)' if record['steps_redone'] else ''}",
               file=sys.stderr, flush=True)
+
+
+class ConfigMismatch(RuntimeError):
+    """The machines of one job were started with different configs; `details` (reaching the
+    launcher as data: launch.worker_entry) names the machine and the keys that differ."""
+
+    def __init__(self, message: str, node: int, address: str, keys: list[str]):
+        super().__init__(message)
+        self.details = {"node": node, "address": address, "keys": keys}
+
+
+def check_same_config(config_text: str) -> None:
+    """Every worker of a job spanning machines: refuse, on every machine, a job whose machines
+    were started with different configs (another --set, another file), naming the first keys
+    that differ; a job would otherwise train each machine's share on its own settings."""
+    import tomllib
+
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return
+    texts = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, (int(os.environ.get("GROUP_RANK", "0")), _node_address(), config_text))
+    node0 = min(texts)
+    for node, address, text in sorted(set(texts)):
+        if text != node0[2]:
+            theirs, ours = (_flat(tomllib.loads(t)) for t in (text, node0[2]))
+            keys = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+            shown = "; ".join(f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} on node 0" for k in keys[:3])
+            raise ConfigMismatch(f"machine {address} (node {node}) was started with another config than node 0 "
+                                 f"({node0[1]}): {shown}; start every machine with the same config and --set flags",
+                                 node, address, keys)
+
+
+def _flat(table: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in table.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out

@@ -42,7 +42,7 @@ from .grad_dump import dump_gradients, loss_divisor, planted_loss
 from .hangs import HangReporter
 from .init_from import load_adapters, load_pretrained
 from .limits import MemoryLimitExceeded, check_memory_limit, from_device_oom
-from .membership import record_membership
+from .membership import check_same_config, record_membership
 from .metrics import peak_memory_bytes, rank_peaks, reset_peak_memory, state_bytes
 from .moe_stats import ExpertStats
 from .objectives import build_objective
@@ -81,6 +81,7 @@ def train_worker(config_text: str, run_dir: str | None, resume: str = "none", tr
     returns the run's summary (what summary.json holds), the other ranks None."""
     cfg = config_from_toml(config_text)
     device = join_job(cfg.train.timeout_s)
+    check_same_config(config_text)  # machines started with other --set flags: refused on every one
     if cfg.parallel.dp <= 0:  # an elastic job's: the world that met decides (train/membership.py)
         resolve_world(cfg, dist.get_world_size())
     hangs = HangReporter(cfg.train.timeout_s)
