@@ -32,9 +32,10 @@ import threading
 
 
 def _knows(server) -> bool:
-    """This Python's forkserver keeps the fields this module sets, and no more."""
+    """Linux (macOS's system libraries are not safe to use in a forked child, which is why
+    Python spawns there), and a forkserver that keeps the fields this module sets, no more."""
     fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
-    return (sys.version_info < (3, 14) and all(hasattr(server, name) for name in fields)
+    return (sys.platform == "linux" and sys.version_info < (3, 14) and all(hasattr(server, name) for name in fields)
             and not hasattr(server, "_forkserver_authkey"))
 
 
