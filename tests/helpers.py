@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmsplit.train.api import WORKER_MODULES
+
 # Small enough for a 2-core CI machine, big enough to exercise every code path.
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
         "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=4", "train.warmup_steps=2"]
@@ -156,10 +158,9 @@ def _assert_close_tensor(got, want, rtol: float, atol: float, what: str) -> None
 # server forks them (the program's own imports, then the server's, launch/forkserver.py), and no
 # more, so that a test's workers inherit what a user's do and measure the same peaks
 # (torch.distributed.pipelining, for one, brings torch.onnx and more along with torch._dynamo).
-# Importing them starts no thread and runs no OpenMP
-# op, so a fork of the template is as safe to compute in as a fresh `python -m llmsplit`.
-TEMPLATE_IMPORTS = ["torch", "llmsplit.cli", "llmsplit.api", "llmsplit.train.api", "llmsplit.train.entry",
-                    "llmsplit.train.trainer", "torch._dynamo"]
+# Importing them starts no thread and runs no OpenMP op, so a fork of the template is as safe
+# to compute in as a fresh `python -m llmsplit`.
+TEMPLATE_IMPORTS = ["torch", "llmsplit.cli", "llmsplit.api", "llmsplit.train.api", *WORKER_MODULES]
 _template = None
 
 

@@ -71,11 +71,12 @@ def _node_settings(args) -> dict:
 
     from .launch import under_torchrun
     from .launch.cluster_env import FLAGS, node_settings
+    from .launch.elastic import node_range
 
     given = {k: getattr(args, k) for k in FLAGS}
     elastic = given["nnodes"] if isinstance(given["nnodes"], str) else None  # MIN:MAX: the rendezvous numbers nodes
     if elastic:  # train.api refuses a --node-rank other than 0 with it
-        given.update(nnodes=int(elastic.partition(":")[2]), node_rank=given["node_rank"] or 0)
+        given.update(nnodes=node_range(elastic)[1], node_rank=given["node_rank"] or 0)
     settings, found = node_settings({} if under_torchrun() else os.environ, **given)
     if found is not None:  # which node this is and where node 0 is: the line to read when nodes do not meet
         print(f"llmsplit: {found.describe()}", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ import copy
 import json
 from pathlib import Path
 
-from ..config import Config, resolve_world
+from ..config import Config
 from ..io.run_dir import SUMMARY_FILE
 from ..models.llama import LlamaConfig
 from ..plan.api import predict_for_config
@@ -55,8 +55,7 @@ def check_run(run_dir: str | Path, cfg: Config, model_cfg: LlamaConfig, world: i
     summary = json.loads(path.read_text())
     if summary.get("world_size", world) != world:  # an elastic job that ended on fewer or more machines
         cfg, world = copy.deepcopy(cfg), summary["world_size"]
-        cfg.parallel.dp = -1
-        resolve_world(cfg, world)
+        cfg.parallel.dp = -1  # layout_of derives it from the world the job ended on, as its workers did
     prediction = predict_for_config(cfg, model_cfg, world, device)
     summary["plan_check"] = check = compare(summary, prediction, device, cfg.memory.offload)
     tmp = path.with_suffix(".tmp")
