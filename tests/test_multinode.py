@@ -18,9 +18,10 @@ from llmsplit.cli import main
 from llmsplit.launch import free_port
 
 
-def _node(node: int, port: int, run_dir, nproc: int, *sets: str, master: str = "127.0.0.1") -> list[str]:
-    cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", str(nproc), "--nnodes", "2", "--node-rank", str(node),
-           "--master-addr", master, "--master-port", str(port), "--run-dir", str(run_dir)]
+def _node(node: int, port: int, run_dir, nproc: int, *sets: str, master: str = "127.0.0.1",
+          nnodes: int = 2) -> list[str]:
+    cmd = [sys.executable, "-m", "llmsplit", "train", "--nproc", str(nproc), "--nnodes", str(nnodes),
+           "--node-rank", str(node), "--master-addr", master, "--master-port", str(port), "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
     return cmd
@@ -62,6 +63,41 @@ def test_an_unreachable_master_says_how_to_check_it(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_a_node_that_never_arrives_is_named_by_the_nodes_that_did(tmp_path):
+    """--nnodes 3 with node 1 never started: torch's rendezvous only counts clients ("2/3
+    clients joined"); node 0 and node 2 both name node 1, exit 1, and do not hang."""
+    port = free_port()
+    sets = ["train.timeout_s=6", "train.global_batch=12", "train.micro_batch=4"]
+    procs = [subprocess.Popen(_node(node, port, tmp_path / f"run{node}", 1, *sets, nnodes=3), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 1, err[-2000:]
+        assert f"node 1 of 3 never reached the master 127.0.0.1:{port} within 6s (train.timeout_s); was the same " \
+               f"command started there with --node-rank 1" in err, err[-2000:]
+        assert "Traceback" not in err
+
+
+def test_a_follower_node_that_never_arrives_is_named():
+    """Inference across nodes (`Followers`, what generate/serve --tp/--pp --nnodes run): node 0
+    holds rank 0 alone and waits for node 1's ranks, which never come. (In a process of its
+    own: Followers binds this process's collectives to an interface, as a CLI command would.)"""
+    port = free_port()
+    code = ("from llmsplit.launch import Followers, LaunchError, Nodes\n"
+            "try:\n"
+            f"    Followers(print, (), 2, 'gloo', timeout_s=2, nodes=Nodes(2, 0, '127.0.0.1', {port}))\n"
+            "except LaunchError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert f"node 1 of 2 never reached the master 127.0.0.1:{port} within 2s while starting; was the same command " \
+           f"started there with --node-rank 1" in out, out
+
+
 def test_a_master_address_that_does_not_resolve_is_refused(tmp_path, capsys):
     args = ["train", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid",
             "--master-port", "29500", "--run-dir", str(tmp_path / "run")]
@@ -82,7 +118,8 @@ def _wait_for_step(run_dir, step: int, procs, timeout_s: float = 180) -> None:
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.2)
-    raise AssertionError(f"the job never logged step {step}: {[p.poll() for p in procs]}")
+    raise AssertionError(f"the job never logged step {step}: {[p.poll() for p in procs]}"
+                         f"{[p.stderr.read()[-3000:] for p in procs if p.poll() is not None]}")
 
 
 def _wait_for(path, lines: int, procs, timeout_s: float = 180) -> None:

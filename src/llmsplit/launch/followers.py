@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from .cluster_env import drop_launcher_variables
+from .presence import absent, never_reached
 from .workers import (LaunchError, attempt_store, check_master_addr, doctor_hint, failure_error, join_job,
                       prepare_workers, use_master_route)
 
@@ -149,8 +150,10 @@ class Followers:
                 raise
             if deadline is not None and time.monotonic() > deadline:
                 n, addr, port = self.nodes.nnodes, self.nodes.master_addr, self.store.port
-                raise LaunchError(f"not all {n} nodes joined at {addr}:{port} within {timeout_s:g}s{doing}",
-                                  doctor_hint(addr, port))
+                missing, waited = absent(self.store, n), f"within {timeout_s:g}s{doing}"
+                message = never_reached(missing, n, addr, port, waited) if missing else \
+                    f"not all {n} nodes joined at {addr}:{port} {waited}"
+                raise LaunchError(message, doctor_hint(addr, port))
             time.sleep(0.02)
 
     def follow_to_the_end(self) -> None:

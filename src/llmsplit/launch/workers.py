@@ -4,6 +4,7 @@ failed worker reported."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -24,6 +25,7 @@ from .cluster_env import drop_launcher_variables
 from .elastic import c10d_settings
 from .forkserver import fork_forkserver
 from .network import bind_collectives_to_master_route
+from .presence import NodeSignIns, never_reached, sign_in
 from .restarts import FailureWatch
 
 
@@ -324,8 +326,11 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     config = LaunchConfig(min_nodes=min_nodes if elastic else nnodes, max_nodes=nnodes, nproc_per_node=nproc,
                           max_restarts=max_restarts, monitor_interval=0.1, start_method=method, **rendezvous)
     environment = {name: value for name, value in os.environ.items() if name not in AGENT_VARIABLES}
+    # Static multi-node: a timeout names the nodes that never signed in (presence.py).
+    sign_ins = NodeSignIns(master_addr, master_port, node_rank, nnodes) if nnodes > 1 and not elastic \
+        else contextlib.nullcontext()
     try:
-        with FailureWatch(environment, first_rank=node_rank * nproc):  # a restart's workers say why
+        with FailureWatch(environment, first_rank=node_rank * nproc), sign_ins:  # a restart's workers say why
             return elastic_launch(config, _in_environment)(environment, os.getcwd(), entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None
@@ -335,6 +340,9 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         waited = f"within {timeout_s:g}s (train.timeout_s)"
         if elastic:
             raise LaunchError(f"fewer than {min_nodes} nodes met at {master_addr}:{master_port} {waited}: {e}",
+                              doctor_hint(master_addr, master_port)) from None
+        if sign_ins.missing:
+            raise LaunchError(never_reached(sign_ins.missing, nnodes, master_addr, master_port, waited),
                               doctor_hint(master_addr, master_port)) from None
         if node_rank == 0:
             raise LaunchError(f"not all {nnodes} nodes joined at {master_addr}:{master_port} {waited}: {e}",
@@ -366,6 +374,7 @@ def join_job(timeout_s: float, backend: str | None = None, announce: str | None 
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     if announce:
         store.add(announce, 1)
+        sign_in(store, rank // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # its node (presence.py)
     group = {"store": attempt_store(store), "rank": rank, "world_size": world, "timeout": timeout}
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
