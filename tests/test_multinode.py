@@ -185,6 +185,9 @@ def test_an_elastic_job_goes_on_without_a_lost_machine_and_takes_it_back_as_one_
     if made:  # machines are told apart by their addresses; on loopback both are 127.0.0.1
         assert attempts[1]["left"] == [made[1][1]] and attempts[2]["joined"] == [made[1][1]], attempts
     assert "attempt 2 runs on 4 workers of 2 machine(s)" in err, err[-3000:]  # said by rank 0's machine
+    # torch counts failures only: the join restart kept count 1, and its line says who joined, not a failure again.
+    assert [a["restart"] for a in attempts] == [0, 1, 1], attempts
+    assert err.count("; restart 1 of 1 resumes from checkpoint") == 1, err[-3000:]
     assert "plan is off" not in err, err[-3000:]  # the planner checked the world the job ended on
 
 

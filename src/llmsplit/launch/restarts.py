@@ -25,16 +25,20 @@ class FailureWatch(logging.Filter):
     """While a launch runs (a context manager): each failure the agent logs, written into
     `environment` as CAUSE. `environment` is the dict every worker of the launch receives;
     the agent hands it to each new attempt's workers afresh, so a restart's workers find
-    the failure that caused it. `first_rank`: the global rank of this node's local rank 0."""
+    the failure that caused it. `first_rank`: the global rank of this node's local rank 0;
+    None where the rendezvous numbers the machines anew each attempt (elastic), and the
+    worker is then named by its local rank on `machine`."""
 
-    def __init__(self, environment: dict[str, str], first_rank: int):
+    def __init__(self, environment: dict[str, str], first_rank: int | None, machine: str = "this machine"):
         super().__init__()
-        self.environment, self.first_rank = environment, first_rank
+        self.environment, self.first_rank, self.machine = environment, first_rank, machine
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, (ProcessExitedException, ProcessRaisedException)):
-            self.environment[CAUSE] = f"worker rank {self.first_rank + error.error_index} {_how(error)}"
+            who = f"worker {error.error_index} of machine {self.machine}" if self.first_rank is None else \
+                f"worker rank {self.first_rank + error.error_index}"
+            self.environment[CAUSE] = f"{who} {_how(error)}"
         return True  # torch's own lines stay
 
     def __enter__(self) -> FailureWatch:

@@ -330,7 +330,9 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
     sign_ins = NodeSignIns(master_addr, master_port, node_rank, nnodes) if nnodes > 1 and not elastic \
         else contextlib.nullcontext()
     try:
-        with FailureWatch(environment, first_rank=node_rank * nproc), sign_ins:  # a restart's workers say why
+        watch = FailureWatch(environment, None, rendezvous.get("local_addr", "this machine")) if elastic else \
+            FailureWatch(environment, first_rank=node_rank * nproc)
+        with watch, sign_ins:  # a restart's workers say why
             return elastic_launch(config, _in_environment)(environment, os.getcwd(), entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures) from None

@@ -61,7 +61,7 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     joined since the attempt before, the checkpoint step it resumed from and the logged steps
     it redoes) and says it on stderr after a restart. Called by every rank (it gathers each
     rank's machine), after the resume and before the metrics of the resumed run are trimmed."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = _restart_count() > 0
     if not restarted and int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
     nodes = [None] * dist.get_world_size()
@@ -76,7 +76,8 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     attempt = len(before) if before and (restarted or resumed_from_step) else 0
     previous = before[-1]["machines"] if attempt > 0 else []
     logged = [r["step"] for r in read_metrics(run_dir / METRICS_FILE)] if (run_dir / METRICS_FILE).is_file() else []
-    record = {"attempt": attempt, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    record = {"attempt": attempt, "restart": _restart_count(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "world_size": dist.get_world_size(), "machines": machines,
               "left": [m for m in previous if m not in machines], "joined": [m for m in machines if m not in previous]
               if attempt > 0 else [], "resumed_from_step": resumed_from_step,
@@ -89,6 +90,19 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
               f"{' (' + '; '.join(changes) + ')' if changes else ''}, from step {resumed_from_step}"
               f"{' (' + str(record['steps_redone']) + ' logged steps redone)' if record['steps_redone'] else ''}",
               file=sys.stderr, flush=True)
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restarted_for_a_join(run_dir: Path) -> bool:
+    """Whether torch's agent restarted these workers because a machine joined, not because one
+    failed: it counts only failures against --max-restarts, so the restart count is the one
+    the attempt recorded last in membership.jsonl (whose line then says who joined)."""
+    path = run_dir / MEMBERSHIP_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return bool(lines) and json.loads(lines[-1]).get("restart") == _restart_count() > 0
 
 
 class ConfigMismatch(RuntimeError):

@@ -17,6 +17,7 @@ from ..io.disk_full import writing
 from ..io.run_dir import METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR, read_metrics, resolve_checkpoint, usable_checkpoint, warn_skipped
 from ..launch import restart_note
 from .entry import default_run_dir
+from .membership import restarted_for_a_join
 from .progress import Progress, print_summary
 
 
@@ -43,7 +44,7 @@ def resume_source(resume: str, run_dir: Path, ck_dir: Path, rank0: bool) -> Path
         choice = [newest and str(newest)]
     elif rank0:
         choice = [str(resolve_checkpoint(resume)[1])]
-    if rank0:
+    if rank0 and not restarted_for_a_join(run_dir):  # a join is said by membership.jsonl's line instead
         announce_restart(choice[0])
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
