@@ -145,6 +145,42 @@ def test_the_training_thread_tuner_tries_one_thread_only_when_steps_slow_down(mo
     assert not threads.ThreadTuner(threads=2, uniform=True).enabled
 
 
+def test_workers_start_at_one_thread_where_other_processes_want_the_cores(monkeypatch, capsys):
+    """`llmsplit train` reads, as it starts, how many threads of other processes want the
+    cores (the kernel's runnable count, not the 1-minute load average): a worker of 2
+    threads beside a busy core starts at 1 and tries 2 later; one-thread workers are told
+    what sharing costs. A trial of 2 threads that is far slower ends after one step."""
+    import torch
+
+    from llmsplit import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.contention(1, 2, busy=0, cores=2) == (2, None)  # quiet
+    assert threads.contention(2, 1, busy=1, cores=4) == (1, None)  # room for everyone
+    start, note = threads.contention(1, 2, busy=1, cores=2)
+    assert start == 1 and note.startswith("1 thread of other processes wants this machine's 2 cores: each worker "
+                                          "starts at 1 thread instead of 2") and "tries 2 again" in note
+    start, note = threads.contention(2, 1, busy=1, cores=2)
+    assert start == 1 and note.endswith("the 2 workers share them, so each step takes about 1.5x as long as on a "
+                                        "quiet machine")
+    assert threads.runnable_elsewhere(samples=3) >= 0
+    env = threads.workers_threads(1, busy=3)
+    assert env[threads.START_THREADS] == "1" and "threads of other processes want" in capsys.readouterr().err
+    assert threads.workers_threads(1, busy=0)[threads.START_THREADS] == env["OMP_NUM_THREADS"]
+
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    monkeypatch.setenv(threads.START_THREADS, "1")
+    tuner = threads.ThreadTuner(threads=2, uniform=True)
+    assert tuner.current == 1 and chosen == [1]
+    speed = {2: 14.0, 1: 1.0}  # SmolLM2 LoRA beside a busy core (issue 51): 60 s and 4.4 s a step
+    for _ in range(threads.FIRST_PERIOD_STEPS + threads.TRIAL_STEPS + 1):
+        tuner.record(speed[chosen[-1]])
+    assert chosen == [1, 2, 1] and tuner.trials == 1  # the trial of 2 threads lost in one step
+    monkeypatch.setenv(threads.START_THREADS, "2")  # nothing else ran: the full count from the start
+    assert threads.ThreadTuner(threads=2, uniform=True).current == 2
+
+
 def _torch_check(monkeypatch, cuda, gpus, version="2.5.1+cu124", file=None):
     """doctor's torch line on a machine whose torch says what the arguments say."""
     import torch

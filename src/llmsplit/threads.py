@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 
 # The variables that set libgomp's wait policy (read once, when torch is first imported).
 POLICY_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # Set beside OMP_NUM_THREADS when llmsplit chose the count (its workers): theirs to tune.
 CHOSEN_BY_LLMSPLIT = "LLMSPLIT_TUNE_THREADS"
+# The count a tunable worker starts at: 1 where its launcher saw other threads wanting the cores.
+START_THREADS = "LLMSPLIT_START_THREADS"
 
 TRIAL_STEPS = 4  # steps per measurement (median: the first step after a switch is slower)
 # Decode time (s) before the first trial, and after a switch; doubled after each trial that loses.
@@ -41,7 +44,8 @@ FIRST_PERIOD_S, SWITCHED_PERIOD_S, MAX_PERIOD_S = 1.0, 4.0, 32.0
 FIRST_PERIOD_STEPS, MAX_PERIOD_STEPS = 8, 256
 SLOWDOWN = 1.5  # training: steps this much slower than the fastest seen suggest contention
 GAIN = 0.9  # the other count is kept when its median step is below this fraction of the current one
-GIVE_UP = 2.0  # a trial step this many times the current median ends the trial at once (it lost)
+GIVE_UP = 1.5  # two trial steps this many times the current median end the trial (it lost)
+GIVE_UP_AT_ONCE = 4.0  # one trial step this many times slower ends it (2 spinning threads beside a busy core: 4-14x)
 
 
 def count_is_the_users() -> bool:
@@ -51,12 +55,13 @@ def count_is_the_users() -> bool:
 
 
 class ThreadTuner:
-    def __init__(self, threads: int | None = None, uniform: bool = False):
+    def __init__(self, threads: int | None = None, uniform: bool = False, allowed: bool = True):
+        """`allowed`: whether the caller's steps may be tuned at all (CPU steps, timed alike)."""
         import torch  # here: doctor's oversubscription check below needs no torch
 
         self._set_threads = torch.set_num_threads
         self.high = threads or torch.get_num_threads()
-        self.enabled = self.high > 1 and not count_is_the_users()
+        self.enabled = allowed and self.high > 1 and not count_is_the_users()
         self.uniform = uniform
         self.current = self.high
         self.switches = self.trials = 0
@@ -65,6 +70,9 @@ class ThreadTuner:
         self._base: list[float] = []
         self._trial: list[float] | None = None
         self._shape = None
+        if self.enabled and 0 < int(os.environ.get(START_THREADS, "0")) < self.high:
+            self.current = 1  # the launcher saw the cores taken (`contention`): full count tried later
+            self._set_threads(1)
 
     def record(self, seconds: float, shape=None) -> None:
         """One step took `seconds` at the current count; `shape` (batch size, say) keeps the
@@ -79,8 +87,8 @@ class ThreadTuner:
         if self._trial is not None:
             self._trial.append(seconds)
             base = statistics.median(self._base)
-            if len(self._trial) >= 2 and min(self._trial[-2:]) > GIVE_UP * base:
-                self._end_trial(keep=False)  # two steps far slower (2 threads under contention): no need for more
+            if seconds > GIVE_UP_AT_ONCE * base or len(self._trial) >= 2 and min(self._trial[-2:]) > GIVE_UP * base:
+                self._end_trial(keep=False)  # far slower (2 threads under contention): no need for more
             elif len(self._trial) == TRIAL_STEPS:
                 self._end_trial(keep=statistics.median(self._trial) < GAIN * base)
             return
@@ -114,12 +122,72 @@ class ThreadTuner:
         self._trial, self._base, self._since = None, [], 0.0
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def oversubscription(cores: int | None = None, load: float | None = None) -> str | None:
     """A sentence when more runnable processes than cores compete for this machine (the
     1-minute load average), else None."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cores or available_cores()
     load = os.getloadavg()[0] if load is None else load
     if load <= cores:
         return None
     return f"load average {load:.1f} on {cores} cores: other processes want these cores"
+
+
+def workers_threads(nproc: int, busy: int | None = None, say: bool = True) -> dict[str, str]:
+    """The thread variables of `nproc` local workers: the cores shared among them, or the
+    count the user exported (then nothing tunes it). A count llmsplit chose is marked so: its
+    workers may tune it (ThreadTuner), and a later launch from the same process chooses
+    afresh. Where `busy` threads of other processes want the cores (`runnable_elsewhere`,
+    read now when None), `contention` sets the count the workers start at and, with `say`,
+    its sentence goes to stderr."""
+    if count_is_the_users():
+        omp = os.environ["OMP_NUM_THREADS"]
+        return {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: "0", START_THREADS: "0"}
+    omp = max(1, (os.cpu_count() or 1) // nproc)
+    start, note = contention(nproc, omp, runnable_elsewhere() if busy is None else busy)
+    if note and say:
+        print(f"llmsplit: {note}", file=sys.stderr, flush=True)
+    return {"OMP_NUM_THREADS": str(omp), "LLMSPLIT_THREADS": str(omp), CHOSEN_BY_LLMSPLIT: "1",
+            START_THREADS: str(start)}
+
+
+def runnable_elsewhere(samples: int = 20, interval_s: float = 0.002) -> int:
+    """Threads of other processes that want a core now: the kernel's count of runnable tasks
+    (/proc/stat's procs_running), the median of `samples` reads 2 ms apart, less the one
+    reading it; 0 where it cannot be read (not Linux). Unlike the load average (a 1-minute
+    mean) it says what competes now, not what ran before this process started."""
+    import time
+
+    counts = []
+    for _ in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                counts += [int(line.split()[1]) for line in f if line.startswith("procs_running ")]
+        except (OSError, ValueError, IndexError):
+            return 0
+        time.sleep(interval_s)
+    return max(0, int(statistics.median(counts)) - 1) if counts else 0
+
+
+def contention(nproc: int, threads: int, busy: int, cores: int | None = None) -> tuple[int, str | None]:
+    """(the thread count each of `nproc` workers of `threads` threads starts at, a sentence
+    for the user or None) when `busy` threads of other processes want this machine's cores.
+    A team of threads beside them stalls at every barrier (libgomp spins for the preempted
+    one), so each worker starts at one thread and its tuner tries the full count as it runs;
+    one-thread workers get their fair share of the cores, and the sentence says about what
+    that costs."""
+    cores = cores or available_cores()
+    if busy <= 0 or nproc * threads + busy <= cores:
+        return threads, None
+    others = f"{busy} thread{'s' if busy > 1 else ''} of other processes want{'s' if busy == 1 else ''} " \
+             f"this machine's {cores} cores"
+    if threads > 1:
+        return 1, (f"{others}: each worker starts at 1 thread instead of {threads} (a team of threads beside them "
+                   f"waits at every step for the one that lost its core) and tries {threads} again as it runs")
+    slower = (nproc + busy) / cores
+    return 1, (f"{others}: the {nproc} worker{'s' if nproc > 1 else ''} share them, so each step takes about "
+               f"{slower:.1f}x as long as on a quiet machine")

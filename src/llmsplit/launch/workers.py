@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..allocator import M_MMAP_THRESHOLD, mallopt
 from ..errors import ConfigError
-from ..threads import CHOSEN_BY_LLMSPLIT, count_is_the_users
+from ..threads import runnable_elsewhere, workers_threads
 from .cluster_env import drop_launcher_variables
 from .elastic import c10d_settings
 from .forkserver import fork_forkserver
@@ -137,10 +137,17 @@ def claim_process_for_launching(worker_modules: tuple[str, ...] = ()) -> None:
     fork_workers_server(worker_modules)
 
 
+_busy_at_start: int | None = None  # threads of other processes that wanted the cores as this program started
+
+
 def fork_workers_server(worker_modules: tuple[str, ...]) -> None:
     """On the CPU, fork the workers' server from this process now: only at a program's start,
-    before it computes anything (launch/forkserver.py)."""
+    before it computes anything (launch/forkserver.py). Other processes' demand for the cores
+    is read first, while nothing of this program's runs but this thread (the server's imports
+    would count as another's; `prepare_workers` acts on it)."""
+    global _busy_at_start
     if start_method() == "forkserver":
+        _busy_at_start = runnable_elsewhere()
         fork_forkserver(["torch", *worker_modules])
 
 
@@ -249,23 +256,19 @@ def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]
     """What every start of local workers shares (`launch` and `Followers`): torch's elastic
     logging at warnings, the malloc policy, the start method with the workers' modules
     (`preload`) imported once, and each worker's thread count, returned as the environment
-    that carries it: the cores shared among the workers instead of every worker taking all
-    of them; values the user exported are kept. The caller hands each worker this
+    that carries it (`threads.workers_threads`): the cores shared among the workers instead
+    of every worker taking all of them, one at first where other processes want them; values
+    the user exported are kept. The caller hands each worker this
     process's whole environment with it (`_in_environment`, Followers' envs): a worker forked
     from the forkserver inherits the forkserver's, which is this process's environment as it
     was when an earlier launch started the server (a variable unset since then still
     reaches the workers)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _small_mmap_threshold()
-    # A count llmsplit chose is marked so: its workers may tune it (threads.ThreadTuner), and
-    # a later launch from this process (which `launch` leaves it in) chooses afresh.
-    if count_is_the_users():
-        omp, chosen = os.environ["OMP_NUM_THREADS"], "0"
-    else:
-        omp, chosen = str(max(1, (os.cpu_count() or 1) // nproc)), "1"
+    threads = workers_threads(nproc, _busy_at_start, say=not torch.cuda.is_available())
     method = start_method()
     _preload(method, preload)
-    return method, {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: chosen}
+    return method, threads
 
 
 # What torch's elastic agent sets for each worker (its local_elastic_agent): the launching

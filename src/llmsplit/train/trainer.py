@@ -149,8 +149,7 @@ class Trainer:
                                    cfg.train.moe_bias_rate)
         # On the CPU, a thread count llmsplit chose drops to one while other processes want the
         # cores, where libgomp's spinning barriers would collapse the step (threads.py).
-        self.threads = ThreadTuner(uniform=True)
-        self.threads.enabled &= device.type == "cpu"
+        self.threads = ThreadTuner(uniform=True, allowed=device.type == "cpu")
 
     def data_samplers(self, tokenizer):
         """(training sampler, evaluation sampler or None) of the run's data."""

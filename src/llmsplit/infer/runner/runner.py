@@ -184,9 +184,8 @@ class Runner:
         # Decode on the CPU picks its thread count as it runs (llmsplit/threads.py) in the processes
         # llmsplit owns (generate, serve): a library caller's torch threads are its own.
         # Tensor-parallel pieces keep theirs (their ranks step together); CUDA steps are not timed.
-        self.tuner = ThreadTuner()
-        self.tuner.enabled &= (spec.tune_threads and exec_device.type == "cpu" and spec.tp_size == 1
-                               and not spec.layers)
+        self.tuner = ThreadTuner(allowed=spec.tune_threads and exec_device.type == "cpu" and spec.tp_size == 1
+                                 and not spec.layers)
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype, spec.kv_dtype)
         self._decode = self._compiled_decode() if spec.compile else None
