@@ -338,7 +338,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         with watch, sign_ins:  # a restart's workers say why
             return elastic_launch(config, _in_environment)(environment, os.getcwd(), entrypoint, *args)
     except ChildFailedError as e:
-        raise failure_error(e.failures) from None
+        raise failure_error(e.failures, f" on node {node_rank}" if nnodes > 1 and not elastic else "") from None
     except DistError as e:
         if nnodes == 1:
             raise
