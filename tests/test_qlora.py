@@ -195,6 +195,11 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
     auto = losses(tmp_path / "auto")
     assert_close_losses(list(auto), list(want))
     assert_close_losses(auto[:1], want[:1])
+    # Pipeline parallel: each stage holds its layers' NF4 bytes.
+    train(tmp_path / "pp", f"model.hf={base}", "lora.base=nf4", "parallel.pp=2", *QL, nproc=2)
+    pp = losses(tmp_path / "pp")
+    assert_close_losses(list(pp), list(want))
+    assert_close_losses(pp[:1], want[:1])
     train(tmp_path / "ddp", f"model.hf={base}", "lora.base=nf4", "parallel.zero=0", "train.precision=bf16", *QL,
           nproc=2)
     got = losses(tmp_path / "ddp")
@@ -207,3 +212,18 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
     # A DDP rank holds the whole model: the stored base the summary counts, and the fp32 adapters.
     assert rank0["param_bytes"] == ddp["frozen_base_bytes"] + 4 * ddp["trainable_params"]
     assert ddp["trainable_params"] * 4 == rank0["grad_bytes"] and ddp["params"] == summary["params"]
+
+
+@pytest.mark.slow
+def test_an_int8_base_under_zero3_logs_the_losses_of_its_dequantized_copy(tmp_path):
+    """The int8 base (a scale per row) sharded by FSDP2 on 2 workers: the losses of one process
+    on the dequantized weights, and step 1's gradient norm (as for NF4 above)."""
+    from hf_models import make_hf_folder
+
+    base = make_hf_folder(tmp_path / "base")
+    train(tmp_path / "ref", f"model.hf={_dequantized_copy(base, tmp_path / 'dequantized', 'int8')}", *QL, nproc=1)
+    want = losses(tmp_path / "ref")
+    train(tmp_path / "z3", f"model.hf={base}", "lora.base=int8", "parallel.zero=3", *QL, nproc=2)
+    got = losses(tmp_path / "z3")
+    assert_close_losses(list(got), list(want))
+    assert_close_losses(got[:1], want[:1])

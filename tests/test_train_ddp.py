@@ -78,9 +78,10 @@ def test_the_comparisons_catch_a_planted_gradient_bug(reference, tmp_path, mutat
         assert_same_gradients(grads_dir(run), grads_dir(reference))
 
 
-def test_gradient_accumulation_gives_the_same_loss(reference, tmp_path):
-    # 2 ranks × 4 sequences each, one sequence per micro-batch: 4 micro-batches per step.
-    train(tmp_path / "run", *TINY, "train.steps=6", "train.micro_batch=1", nproc=2)
+def test_gradient_accumulation_and_compile_give_the_same_loss(reference, tmp_path):
+    """2 ranks × 4 sequences each, one sequence per micro-batch: 4 micro-batches per step, each
+    block torch.compile'd (train.compile; Inductor on the CPU, a cold compile ~12 s here)."""
+    train(tmp_path / "run", *TINY, "train.steps=6", "train.micro_batch=1", "train.compile=true", nproc=2)
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
 
 
