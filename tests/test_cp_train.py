@@ -1,7 +1,7 @@
 """Context parallel training (`parallel.cp`, issue 48): loss and gradient norm at every step
 equal to one process for cp 2 and 4, ring and all-to-all, combined with dp × ZeRO-3, tensor
-parallel, packed chat documents and LoRA; a cp checkpoint resumes under cp 1; what cp does not
-combine with yet is refused before any worker starts.
+parallel, packed chat documents and LoRA; a cp checkpoint resumes under cp 1 and cp 4; what cp
+does not combine with yet is refused before any worker starts.
 
 Cases share launches to stay cheap on a 2-core CI machine: one single-process baseline per
 kind of data (plain text; packed chat with LoRA adapters), and each parallel run covers
@@ -83,10 +83,11 @@ def test_text_runs_log_the_single_process_loss_and_grad_norm(text_one, text_runs
 
 
 @pytest.mark.slow
-def test_a_cp2_checkpoint_continues_exactly_under_cp1(text_one, text_runs, tmp_path):
+def test_a_cp2_checkpoint_continues_exactly_under_cp1_and_cp4(text_one, text_runs, tmp_path):
     source = text_runs("cp2-tp2") / "checkpoints" / "step_2"
-    train(tmp_path / "resumed", *TEXT, nproc=1, extra=("--resume", str(source)))
-    assert_close_losses(losses(tmp_path / "resumed"), losses(text_one)[2:])
+    for name, nproc, sets in (("cp1", 1, []), ("cp4", 4, ["parallel.cp=4"])):
+        train(tmp_path / name, *TEXT, *sets, nproc=nproc, extra=("--resume", str(source)))
+        assert_close_losses(losses(tmp_path / name), losses(text_one)[2:])
 
 
 @pytest.mark.slow
