@@ -45,6 +45,17 @@ def test_llama3_70b_on_one_rtx4090_fits_nothing_and_names_the_device_count():
     assert all(lay["why_not"] for lay in report["layouts"])
 
 
+def test_a_workload_no_layout_can_run_is_refused_for_its_own_reason():
+    """A sequence longer than the model's positions refuses every layout: the sentence says
+    so (it said "no layout divides 4 device(s) ... use a global batch divisible by the device
+    count", which sent a user after the batch)."""
+    from llmsplit.errors import ConfigError
+    from llmsplit.plan.search import search
+
+    with pytest.raises(ConfigError, match=r"^data.seq_len=32768 exceeds model.max_seq_len=256"):
+        search(preset_config("tiny"), Workload(seq_len=32768, global_batch=1), 4, get_device("H100-80GB"))
+
+
 def test_why_not_proposes_a_change_that_fits():
     report = plan(model="llama-3-8b", gpus=8, gpu="H100-80GB", seq_len=8192, global_batch=16,
                   layout="zero=3,micro_batch=2,activation_checkpoint=none")

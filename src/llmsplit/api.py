@@ -108,14 +108,10 @@ def _apply_auto(job: TrainJob) -> None:
     cfg, best = auto_config(job.cfg, job.model_cfg, job.world, device)
     # On a GPU (or under memory.limit_bytes) the workers confirm the micro-batch by trial.
     cfg.train.confirm_micro_batch = device.kind != "cpu" or cfg.memory.limit_bytes is not None
-    lay = best["layout"]
-    keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
-    if lay["pp"] > 1:
-        keys.insert(4, "pp_schedule")
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"llmsplit: --auto chose {' '.join(f'{k}={lay[k]}' for k in keys)} for {job.world} × {device.name} "
-              f"(predicted {best['memory_per_device']['total'] / 2**20:.0f} MiB per device, "
-              f"{best['tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
+        print(f"llmsplit: --auto chose {' '.join(best.layout.settings())} for {job.world} × {device.name} "
+              f"(predicted {best.memory.total / 2**20:.0f} MiB per device, {best.cost.tokens_per_s:.0f} tokens/s)",
+              file=sys.stderr, flush=True)
     job.cfg = cfg
 
 

@@ -78,6 +78,14 @@ class Layout:
         d["sequence_parallel"] = self.sp
         return d
 
+    def settings(self) -> list[str]:
+        """The layout as `key=value` settings a person reads and retypes: the split degrees,
+        the pipeline schedule, expert and context parallel where used, micro-batch, recompute
+        and offload."""
+        keys = ["dp", "zero", "tp", "pp", *(["pp_schedule"] if self.pp > 1 else []),
+                *(k for k in ("ep", "cp") if getattr(self, k) > 1), "micro_batch", "activation_checkpoint", "offload"]
+        return [f"{k}={getattr(self, k)}" for k in keys]
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -290,10 +290,10 @@ def predict_for_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, dev
 
 # ---------------------------------------------------------------- llmsplit train --auto
 
-def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: Device) -> tuple[Config, dict]:
+def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: Device):
     """`cfg` with the [parallel]/[memory] keys and train.micro_batch of the fastest layout
     that fits `device` (within memory.limit_bytes when set) and that `llmsplit train` runs,
-    and that layout's plan entry."""
+    and that layout's plan entry (a search.Candidate)."""
     if cfg.memory.limit_bytes is not None:
         device = replace(device, memory_bytes=min(device.memory_bytes, cfg.memory.limit_bytes))
     work = workload_of(cfg)
@@ -306,4 +306,4 @@ def auto_config(cfg: Config, model_cfg: LlamaConfig, world_size: int, device: De
                           f"{result['advice'] or 'see llmsplit plan for the reasons'}")
     best = result["runnable"][0]
     chosen = layout_config(cfg, "custom", model_cfg, best.layout, work)
-    return chosen, best.to_dict()
+    return chosen, best

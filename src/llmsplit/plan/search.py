@@ -146,6 +146,7 @@ def search(cfg: LlamaConfig, work: Workload, world: int, device: Device, layout:
     else:
         layouts = list(enumerate_layouts(cfg, work, world, device))
         if not layouts:
+            check(cfg, Layout(), work, 1)  # what refuses every layout, not a layout's (a sequence too long, say)
             raise ConfigError(f"no layout divides {world} device(s) for this model and a global batch of "
                               f"{work.global_batch}; use a global batch divisible by the device count")
     candidates = [evaluate(cfg, lay, work, device) for lay in layouts]
@@ -255,7 +256,4 @@ def smallest_fit_advice(cfg: LlamaConfig, work: Workload, world: int, device: De
 
 
 def _layout_text(lay: Layout) -> str:
-    keys = ["dp", "zero", "tp", "pp", "micro_batch", "activation_checkpoint", "offload"]
-    if lay.pp > 1:
-        keys.insert(4, "pp_schedule")
-    return ",".join(f"{k}={getattr(lay, k)}" for k in keys)
+    return ",".join(lay.settings())
