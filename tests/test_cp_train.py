@@ -36,6 +36,8 @@ TEXT_RUNS = {
     "cp4-ring-full-checkpointing": (4, ["parallel.cp=4", "memory.activation_checkpoint=full"]),
     "dp2-cp2-alltoall-zero3": (4, ["parallel.cp=2", "parallel.cp_mode=alltoall", "parallel.zero=3"]),
     "cp2-tp2": (4, ["parallel.cp=2", "parallel.tp=2", "checkpoint.every=2"]),
+    # Pipeline stages: each sends its share of a micro-batch on (gpipe: all forwards, then all backwards).
+    "cp2-pp2-gpipe": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
 }
 
 
@@ -91,16 +93,19 @@ def test_a_cp2_checkpoint_continues_exactly_under_cp1_and_cp4(text_one, text_run
 
 
 @pytest.mark.slow
-def test_packed_documents_with_lora_log_the_single_process_losses(tmp_path):
+def test_packed_documents_with_lora_log_the_single_process_losses_with_and_without_pipeline_stages(tmp_path):
     (tmp_path / "chat.jsonl").write_text(conversations())
     data = f"data.source={tmp_path / 'chat.jsonl'}"
     train(tmp_path / "one", *CHAT, data, nproc=1)
     train(tmp_path / "cp2", *CHAT, data, "parallel.cp=2", nproc=2)
-    assert_close_losses(losses(tmp_path / "cp2"), losses(tmp_path / "one"))
-    evals = [[r["eval_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
-              if "eval_loss" in r] for name in ("cp2", "one")]
-    assert len(evals[1]) == 1
-    assert_close_losses(*evals)
+    # Pipeline stages each get their share's documents with every micro-batch.
+    train(tmp_path / "cp2pp2", *CHAT, data, "parallel.cp=2", "parallel.pp=2", nproc=4)
+    evals = {name: [r["eval_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text()
+                                                   .splitlines()) if "eval_loss" in r] for name in ("cp2", "cp2pp2", "one")}
+    assert len(evals["one"]) == 1
+    for name in ("cp2", "cp2pp2"):
+        assert_close_losses(losses(tmp_path / name), losses(tmp_path / "one"))
+        assert_close_losses(evals[name], evals["one"])
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["padding_fraction"] < 0.5  # rows hold several documents, so cp splits some
 
@@ -113,7 +118,6 @@ def test_packed_documents_with_lora_log_the_single_process_losses(tmp_path):
     (["parallel.cp=3", "parallel.cp_mode=alltoall", "data.seq_len=96"], 3,
      "parallel.cp_mode=\"alltoall\" gives each of the parallel.cp=3 ranks a share of the attention heads, and "
      "model.n_heads=4 does not divide by 3; use parallel.cp in 1, 2, 4 or parallel.cp_mode=\"ring\""),
-    (["parallel.cp=2", "parallel.pp=2"], 4, "parallel.cp=2 does not combine with parallel.pp=2 yet"),
     (["parallel.cp=2", "parallel.cp_mode=ulysses"], 2, "parallel.cp_mode='ulysses' is not one of: 'ring', 'alltoall'"),
     (["parallel.cp=2"], 3, "world size 3 is not divisible by parallel.cp × parallel.tp × parallel.pp = 2"),
 ])

@@ -2,12 +2,13 @@
 cut into 2 × cp equal chunks, rank r of the cp group holding chunks r and 2·cp−1−r, and
 attention crosses the shards as a ring or by all-to-all over the heads.
 
-What cp does not combine with yet is refused here by name rather than left to fail inside a
-collective: pipeline stages (the schedule sends one activation shape between stages, and its
-micro-batches would need the cp shards' positions and documents), mixture-of-experts layers
-(their load-balancing loss and bias counts are over a whole sequence's tokens, a cp rank sees
-part of it), and the attention variants whose masks or scores the ring's kernels do not apply
-(Gemma 2's capped scores, sliding windows).
+Pipeline stages combine with it: each cp rank of a stage sends its share of every micro-batch
+to the same cp rank of the next, and every stage gets the share's global positions and
+documents with its micro-batch (`ParallelModel.pipeline_step`). What cp does not combine with
+yet is refused here by name rather than left to fail inside a collective: mixture-of-experts
+layers (their load-balancing loss and bias counts are over a whole sequence's tokens, a cp rank
+sees part of it), and the attention variants whose masks or scores the ring's kernels do not
+apply (Gemma 2's capped scores, sliding windows).
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
     if work is not None and work.mode == "infer":
         raise ConfigError(f"{said} splits training sequences; inference does not split a prompt over ranks yet "
                           f"(leave parallel.cp at 1 with --mode infer)")
-    for other, value in (("pp", layout.pp), ("ep", layout.ep)):
-        if value > 1:
-            raise ConfigError(f"{said} does not combine with parallel.{other}={value} yet; set parallel.{other}=1 or "
-                              f"parallel.cp=1")
+    if layout.ep > 1:
+        raise ConfigError(f"{said} does not combine with parallel.ep={layout.ep} yet; set parallel.ep=1 or "
+                          f"parallel.cp=1")
     if model is not None:
         _check_model(model, layout, said)
     if work is not None and work.seq_len % (2 * cp):

@@ -100,14 +100,16 @@ class ParallelModel:
                                        self.mesh.group("pp"))
 
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
-                      forward_only: bool = False) -> torch.Tensor:
+                      forward_only: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward (or, `forward_only`, forward alone) of this rank's batch through
         the schedule; the sum of the micro-batch losses this rank saw (only the last stage sees
-        any). `positions` (packed rows) goes to every stage, each micro-batch its own rows."""
+        any). `positions` (packed rows, or a context-parallel share's global positions) and
+        `doc_ids` (a share's documents) go to every stage, each micro-batch its own rows."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.pipeline.has_last_stage else {}
-        if positions is not None:
-            kwargs["positions"] = positions
+        for name, value in (("positions", positions), ("doc_ids", doc_ids)):
+            if value is not None:
+                kwargs[name] = value
         args = (inputs,) if self.pipeline.has_first_stage else ()
         with self.loss_context(), self.forward_context():
             if forward_only:

@@ -70,7 +70,7 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
         if world % tp:
             continue
         for pp in divisors(world // tp):
-            for cp in _context_degrees(work, world // (tp * pp), pp):
+            for cp in _context_degrees(work, world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 if work.mode == "infer":
                     variants = [Layout(dp=dp, tp=tp, pp=pp)]
@@ -81,11 +81,10 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
                 yield from (lay for lay in variants if accepts(cfg, lay, work, world))
 
 
-def _context_degrees(work: Workload, ranks: int, pp: int) -> list[int]:
-    """Context-parallel degrees to try: 1, and for training without pipeline stages (cp does not
-    combine with pp yet) every one the ranks and the sequence divide by, so a sequence too long
-    for one device's activations is split rather than refused."""
-    if work.mode == "infer" or pp > 1:
+def _context_degrees(work: Workload, ranks: int) -> list[int]:
+    """Context-parallel degrees to try: 1, and in training every one the ranks and the sequence
+    divide by, so a sequence too long for one device's activations is split rather than refused."""
+    if work.mode == "infer":
         return [1]
     return [c for c in divisors(ranks) if c == 1 or work.seq_len % (2 * c) == 0]
 

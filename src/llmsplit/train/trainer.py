@@ -201,17 +201,16 @@ class Trainer:
     def pipeline_step(self, batch: Batch, forward_only: bool = False) -> torch.Tensor:
         """`batch` through the pipeline schedule; the sum of the losses this rank saw."""
         with self.objective.pipeline_calls(self.pm.n_microbatches):
-            return self.pm.pipeline_step(batch.inputs, batch.targets, batch.positions, forward_only)
+            return self.pm.pipeline_step(batch.inputs, batch.targets, batch.positions, forward_only, batch.doc_ids)
 
     def forward_backward(self, batch: Batch, micro_batch: int | None = None) -> torch.Tensor:
         """One step's forward and backward over this rank's batch, in micro-batches of
         `micro_batch` sequences (default: the run's) or through the pipeline schedule.
         Returns the sum of the losses this rank saw."""
-        pm = self.pm
+        pm, batch = self.pm, self.local_rows(batch)
         if pm.pipeline is not None:
             with self.pipeline_times.step():
                 return self.pipeline_step(batch)
-        batch = self.local_rows(batch)
         micro_batch = micro_batch or self.micro_batch
         n_micro = self.per_rank // micro_batch
         rows = len(batch) // n_micro  # a sample is one row, a DPO pair two
