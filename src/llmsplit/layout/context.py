@@ -4,11 +4,13 @@ attention crosses the shards as a ring or by all-to-all over the heads.
 
 Pipeline stages combine with it: each cp rank of a stage sends its share of every micro-batch
 to the same cp rank of the next, and every stage gets the share's global positions and
-documents with its micro-batch (`ParallelModel.pipeline_step`). What cp does not combine with
-yet is refused here by name rather than left to fail inside a collective: mixture-of-experts
-layers (their load-balancing loss and bias counts are over a whole sequence's tokens, a cp rank
-sees part of it), and the attention variants whose masks or scores the ring's kernels do not
-apply (Gemma 2's capped scores, sliding windows).
+documents with its micro-batch (`ParallelModel.pipeline_step`). Mixture-of-experts layers and
+expert parallel do too: routing is per token, the experts' token counts sum the ranks' disjoint
+shares (a balancing loss, train.moe_aux_loss, is each rank's over its tokens, as under data
+parallel), and an expert's replicas include the cp ranks (mesh.py's "expert_dp"). What cp does
+not combine with yet is refused here by name rather than left to fail inside a collective: the
+attention variants whose masks or scores the ring's kernels do not apply (Gemma 2's capped
+scores, sliding windows).
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
     if work is not None and work.mode == "infer":
         raise ConfigError(f"{said} splits training sequences; inference does not split a prompt over ranks yet "
                           f"(leave parallel.cp at 1 with --mode infer)")
-    if layout.ep > 1:
-        raise ConfigError(f"{said} does not combine with parallel.ep={layout.ep} yet; set parallel.ep=1 or "
-                          f"parallel.cp=1")
     if model is not None:
         _check_model(model, layout, said)
     if work is not None and work.seq_len % (2 * cp):
@@ -40,9 +39,6 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
 
 
 def _check_model(model: LlamaConfig, layout: Layout, said: str) -> None:
-    if model.n_experts:
-        raise ConfigError(f"{said} does not split mixture-of-experts models yet (model.n_experts={model.n_experts}: "
-                          f"their balancing statistics are over whole sequences); set parallel.cp=1")
     for key, value in (("attn_softcap", model.attn_softcap), ("sliding_window", model.sliding_window)):
         if value is not None:
             raise ConfigError(f"{said} does not combine with model.{key}={value} yet (the context-parallel attention "

@@ -17,9 +17,9 @@ The row exchanges use torch's autograd-aware functional collective
 (`all_to_all_single_autograd`), whose backward is the inverse exchange of the gradients, so an
 expert's gradient on its rank sums the contributions of the tokens of every ep rank. Gradient
 averaging then differs from the rest of the model: an expert's replicas are the `expert_dp`
-ranks (the data-parallel ranks outside its ep group), and its gradient already holds ep ranks'
-tokens, so it is summed over expert_dp and divided by the whole dp degree
-(ParallelModel.sync_gradients).
+ranks (the data-parallel ranks outside its ep group, and under context parallel their cp
+ranks), and its gradient already holds ep ranks' tokens, so it is summed over expert_dp and
+divided by the whole dp × cp degree (ParallelModel.sync_gradients).
 """
 
 from __future__ import annotations

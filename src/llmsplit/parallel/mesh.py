@@ -3,7 +3,7 @@
 The mesh always has the six dimensions pp × dp_replicate × edp × ep × cp × tp (size 1 where
 unused), so the code that asks for a group never has to know which techniques are on.
 Expert parallel splits the sharded data-parallel ranks: `dp_shard` is edp × ep flattened,
-`ep` holds one copy of the experts between its ranks and `edp` (with dp_replicate:
+`ep` holds one copy of the experts between its ranks and `edp` (with dp_replicate and cp:
 "expert_dp") the ranks that hold the same experts. Data loading uses the flattened
 data-parallel dimension "dp" (rank order the same as without ep). Context parallel's cp ranks
 read the same rows (each a share of every sequence) and hold the same weights, so gradients
@@ -90,6 +90,8 @@ class Mesh:
         if dims.cp > 1:
             self.flat["dp_cp"] = self.mesh["dp_replicate", "edp", "ep", "cp"]._flatten("dp_cp")
             self.flat["dp_shard_cp"] = self.mesh["edp", "ep", "cp"]._flatten("dp_shard_cp")
+            # The cp ranks of an ep rank hold its experts too, and route other tokens to them.
+            self.flat["expert_dp"] = self.mesh["dp_replicate", "edp", "cp"]._flatten("expert_dp_cp")
         self.dp_mesh: DeviceMesh = self.flat["dp"]
         # Hybrid sharding's (replicas, shards) mesh, shards being edp × ep × cp: with expert or
         # context parallel the rest of the model shards over those ranks too. Unflattened from

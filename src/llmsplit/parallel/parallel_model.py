@@ -132,12 +132,12 @@ class ParallelModel:
                 allreduce_gradients(self.model.parameters(), self.manual_grad_group)
             return
         # Each expert's gradient already sums the tokens of its ep group: summed over the
-        # expert_dp ranks and divided by the whole dp degree, it is the global batch's mean.
+        # expert_dp ranks and divided by the whole dp (× cp) degree, it is the global batch's mean.
         params = list(self.model.parameters())
         if self.manual_grad_group is not None:  # else FSDP reduced the rest during backward
             allreduce_gradients([p for p in params if not is_expert_weight(p)], self.manual_grad_group)
         allreduce_gradients([p for p in params if is_expert_weight(p)], self.mesh.group("expert_dp"),
-                            divisor=self.mesh.size("dp"))
+                            divisor=self.mesh.size("dp_cp"))
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the true gradients (loss scaling undone first) and

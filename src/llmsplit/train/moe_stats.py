@@ -55,9 +55,10 @@ class ExpertStats:
     def step_record(self, dp: int, tp: int = 1) -> dict:
         """{"tokens_per_expert": [[...] per layer]} of the step, summed over every rank (each
         layer is held by one pipeline stage of each replica; the tp ranks of a replica all route
-        its tokens, so that sum is divided by tp), and "moe_aux_loss", the global mean of the
-        weighted load-balancing loss where it trains (train.moe_aux_loss > 0, refused with
-        pipeline stages); then reset. A collective: every rank calls it."""
+        its tokens, so that sum is divided by tp; context-parallel ranks route disjoint shares),
+        and "moe_aux_loss", the global mean of the weighted load-balancing loss where it trains
+        (train.moe_aux_loss > 0, refused with pipeline stages) over the `dp` ranks that compute
+        it apart (data × context parallel); then reset. A collective: every rank calls it."""
         if not self.active:
             return {}
         dist.all_reduce(self.counts)

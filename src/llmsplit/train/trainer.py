@@ -262,7 +262,7 @@ class Trainer:
         step_time = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens_per_s": batch.inputs.numel() * self.dp_size / step_time, "step_time_s": step_time,
-                **figures, **self.experts.step_record(self.dp_size, cfg.parallel.tp)}
+                **figures, **self.experts.step_record(self.mesh.size("dp_cp"), cfg.parallel.tp)}
 
     def train(self) -> dict | None:
         """The run from its first step to the last; rank 0 returns the summary."""
