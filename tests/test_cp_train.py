@@ -101,7 +101,8 @@ def test_packed_documents_with_lora_log_the_single_process_losses_with_and_witho
     # Pipeline stages each get their share's documents with every micro-batch.
     train(tmp_path / "cp2pp2", *CHAT, data, "parallel.cp=2", "parallel.pp=2", nproc=4)
     evals = {name: [r["eval_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text()
-                                                   .splitlines()) if "eval_loss" in r] for name in ("cp2", "cp2pp2", "one")}
+                                                   .splitlines()) if "eval_loss" in r]
+             for name in ("cp2", "cp2pp2", "one")}
     assert len(evals["one"]) == 1
     for name in ("cp2", "cp2pp2"):
         assert_close_losses(losses(tmp_path / name), losses(tmp_path / "one"))
