@@ -131,6 +131,21 @@ def test_a_mixture_of_experts_routes_and_balances_as_one_process_under_cp(tmp_pa
         assert counts[name] == counts["one"], name
 
 
+@pytest.mark.slow
+def test_a_sliding_window_attends_as_one_process_under_the_ring_and_alltoall(text_one, tmp_path):
+    """Keys fewer than model.sliding_window positions back, masked over global positions per
+    block of the ring: 12 against chunks of 16 (cp 2) and 8 tokens (cp 4), so blocks lie wholly
+    outside the window, across its edge and inside it. The window changes the losses; cp 4
+    ring and cp 2 all-to-all log one process's."""
+    sets = [*TEXT, "model.sliding_window=12"]
+    train(tmp_path / "one", *sets, nproc=1)
+    assert losses(tmp_path / "one")[0] != losses(text_one)[0]
+    for name, nproc, split in (("ring4", 4, ["parallel.cp=4"]),
+                               ("alltoall2", 2, ["parallel.cp=2", "parallel.cp_mode=alltoall"])):
+        train(tmp_path / name, *sets, *split, nproc=nproc)
+        assert_close_losses(losses(tmp_path / name), losses(tmp_path / "one"))
+
+
 # ---- refused before any worker starts -------------------------------------------------------
 
 @pytest.mark.parametrize("sets, nproc, fragment", [
@@ -172,7 +187,6 @@ def test_the_cli_exits_2_for_a_sequence_cp_cannot_cut(tmp_path):
 
 @pytest.mark.parametrize("model, layout, fragment", [
     (LlamaConfig(attn_softcap=50.0), Layout(cp=2), "does not combine with model.attn_softcap=50.0 yet"),
-    (LlamaConfig(sliding_window=16), Layout(cp=2), "does not combine with model.sliding_window=16 yet"),
     (LlamaConfig(n_heads=8), Layout(cp=4, tp=4, cp_mode="alltoall"), "model.n_heads=8 (2 per tensor-parallel rank)"),
 ])
 def test_combinations_not_supported_yet_are_refused_by_name(model, layout, fragment):

@@ -7,10 +7,10 @@ to the same cp rank of the next, and every stage gets the share's global positio
 documents with its micro-batch (`ParallelModel.pipeline_step`). Mixture-of-experts layers and
 expert parallel do too: routing is per token, the experts' token counts sum the ranks' disjoint
 shares (a balancing loss, train.moe_aux_loss, is each rank's over its tokens, as under data
-parallel), and an expert's replicas include the cp ranks (mesh.py's "expert_dp"). What cp does
-not combine with yet is refused here by name rather than left to fail inside a collective: the
-attention variants whose masks or scores the ring's kernels do not apply (Gemma 2's capped
-scores, sliding windows).
+parallel), and an expert's replicas include the cp ranks (mesh.py's "expert_dp"). Sliding
+windows are masks over global positions, per block of the ring. What cp does not combine with
+yet is refused here by name rather than left to fail inside a collective: Gemma 2's capped
+scores, which the ring's kernels do not apply.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
 
 
 def _check_model(model: LlamaConfig, layout: Layout, said: str) -> None:
-    for key, value in (("attn_softcap", model.attn_softcap), ("sliding_window", model.sliding_window)):
-        if value is not None:
-            raise ConfigError(f"{said} does not combine with model.{key}={value} yet (the context-parallel attention "
-                              f"is plain causal attention over the whole sequence); set parallel.cp=1")
+    if model.attn_softcap is not None:
+        raise ConfigError(f"{said} does not combine with model.attn_softcap={model.attn_softcap} yet (the "
+                          f"context-parallel attention's kernels take no cap on the scores); set parallel.cp=1")
     if layout.cp_mode != "alltoall" or model.n_heads % layout.tp:
         return  # (heads that tp does not divide are refused by the tensor-parallel rule)
     heads = model.n_heads // layout.tp

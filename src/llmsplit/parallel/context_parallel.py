@@ -150,15 +150,25 @@ def _blocks(rank: int, src: int, cp: int) -> list[tuple[int, int, bool]]:
     return sorted(blocks, key=lambda blk: not blk[2])
 
 
-def _allowed(docs, rank, qi, src, kj, cp, c, diagonal):
-    """[b, 1, c, c] boolean mask of a block under packed documents; None without documents."""
-    if docs is None:
-        return None
+def _allowed(docs, window, rank, qi, src, kj, cp, c, diagonal, device):
+    """[b or 1, 1, c, c] boolean mask of a block under packed documents and a sliding window
+    (keys fewer than `window` positions back); None where neither cuts into the block (the
+    diagonal then takes the kernel's own causal mask)."""
     gq, gk = _global_chunk(rank, qi, cp), _global_chunk(src, kj, cp)
-    same = docs[:, gq * c:(gq + 1) * c, None] == docs[:, None, gk * c:(gk + 1) * c]
+    near = None
+    if window is not None:
+        offsets = torch.arange(c, device=device)
+        near = ((gq - gk) * c + offsets[:, None] - offsets[None, :]) < window
+        near = None if bool(near.all()) else near
+    if docs is None and near is None:
+        return None
+    allowed = torch.ones(c, c, dtype=torch.bool, device=device) if docs is None else \
+        docs[:, gq * c:(gq + 1) * c, None] == docs[:, None, gk * c:(gk + 1) * c]
     if diagonal:
-        same &= torch.ones(c, c, dtype=torch.bool, device=docs.device).tril()
-    return same[:, None]
+        allowed = allowed & torch.ones(c, c, dtype=torch.bool, device=device).tril()
+    if near is not None:
+        allowed = allowed & near
+    return allowed[:, None] if allowed.dim() == 3 else allowed[None, None]
 
 
 def _block_forward(kernel, q, k, v, diagonal, allowed, scale):
@@ -205,7 +215,7 @@ class _Shift:
         return self.buffer
 
 
-def _ring_forward(q, k, v, group, scale, docs):
+def _ring_forward(q, k, v, group, scale, docs, window):
     kernel, cp, rank = _KERNELS[q.device.type], group.size(), group.rank()
     c = q.shape[2] // 2
     queries = q.chunk(2, 2)
@@ -216,7 +226,9 @@ def _ring_forward(q, k, v, group, scale, docs):
         incoming = _Shift(kv, group, tag=0) if step + 1 < cp else None  # overlaps the blocks below
         keys, values = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
         for qi, kj, diagonal in _blocks(rank, src, cp):
-            allowed = _allowed(docs, rank, qi, src, kj, cp, c, diagonal)
+            allowed = _allowed(docs, window, rank, qi, src, kj, cp, c, diagonal, q.device)
+            if allowed is not None and not bool(allowed.any()):
+                continue  # a block wholly outside the window
             out, lse = _block_forward(kernel, queries[qi], keys[kj], values[kj], diagonal, allowed, scale)
             acc[qi] = _merge(acc[qi], out, lse)
         if incoming is not None:
@@ -225,7 +237,7 @@ def _ring_forward(q, k, v, group, scale, docs):
     return out, torch.cat([acc[0][1], acc[1][1]], 2)
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, docs):
+def _ring_backward(dout, q, k, v, out, lse, group, scale, docs, window):
     """Each block's gradients from the merged out and lse (softmax over all keys) are exactly
     its share of the whole: dq sums over blocks here; dk/dv of each kv shard accumulate in fp32
     on a buffer that follows the shard round the ring and arrives home after the last step."""
@@ -239,7 +251,9 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, docs):
         incoming = _Shift(kv, group, tag=0) if step + 1 < cp else None
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for qi, kj, diagonal in _blocks(rank, src, cp):
-            allowed = _allowed(docs, rank, qi, src, kj, cp, c, diagonal)
+            allowed = _allowed(docs, window, rank, qi, src, kj, cp, c, diagonal, q.device)
+            if allowed is not None and not bool(allowed.any()):
+                continue
             rows, keys = slice(qi * c, (qi + 1) * c), slice(kj * c, (kj + 1) * c)
             g_out, g_q, g_o, g_lse = (p[qi] for p in parts)
             gq, gk, gv = kernel.backward(g_out, g_q, kv[0, :, :, keys], kv[1, :, :, keys], g_o, g_lse,
@@ -258,17 +272,18 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, docs):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, docs):
-        out, lse = _ring_forward(q, k, v, group, scale, docs)
+    def forward(ctx, q, k, v, group, scale, docs, window):
+        out, lse = _ring_forward(q, k, v, group, scale, docs, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.docs = group, scale, docs
+        ctx.group, ctx.scale, ctx.docs, ctx.window = group, scale, docs, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale, ctx.docs)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale, ctx.docs,
+                                    ctx.window)
+        return dq, dk, dv, None, None, None, None
 
 
 # ---- all-to-all (Ulysses) ------------------------------------------------------------------
@@ -306,7 +321,7 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(list(shards.unbind(0)), 1)
 
 
-def _alltoall_attention(q, k, v, group, scale, docs):
+def _alltoall_attention(q, k, v, group, scale, docs, window):
     cp = group.size()
     assert q.shape[1] % cp == 0, f"alltoall needs heads ({q.shape[1]}) divisible by cp ({cp})"
     if k.shape[1] % cp:
@@ -315,11 +330,13 @@ def _alltoall_attention(q, k, v, group, scale, docs):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
-    mask = None
-    if docs is not None:
-        s = docs.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
-        mask = ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+    mask, s = None, q.shape[2]
+    if docs is not None or (window is not None and window < s):
+        at = torch.arange(s, device=q.device)
+        mask = at[:, None] >= at[None, :]
+        if window is not None:
+            mask = mask & (at[:, None] - at[None, :] < window)
+        mask = (mask & (docs[:, :, None] == docs[:, None, :]))[:, None] if docs is not None else mask
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return _heads_to_seq(out, group)
@@ -329,21 +346,22 @@ def _alltoall_attention(q, k, v, group, scale, docs):
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                       mode: str = "ring", scale: float | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced shard of the sequence, in place of SDPA.
 
     q [b, h, s_local, d], k and v [b, h_kv, s_local, d] (h a multiple of h_kv), each holding
     chunks rank and 2*cp-1-rank of the sequence (`shard_sequence`); returns this rank's rows
     of the output, [b, h, s_local, d]. doc_ids [b, s_local], sharded the same way: a query
-    attends only to earlier keys of its own document (packed rows)."""
+    attends only to earlier keys of its own document (packed rows). `window`: only to keys
+    fewer than this many positions back (a sliding-window layer)."""
     assert q.shape[2] % 2 == 0 and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     docs = None if doc_ids is None else gather_sequence(doc_ids, group, dim=1)
     if mode == "ring":
         assert q.device.type in _KERNELS, f"no ring attention kernel for {q.device.type}"
-        return _RingAttention.apply(q, k, v, group, scale, docs)
+        return _RingAttention.apply(q, k, v, group, scale, docs, window)
     assert mode == "alltoall", f"unknown context parallel mode {mode!r}"
-    return _alltoall_attention(q, k, v, group, scale, docs)
+    return _alltoall_attention(q, k, v, group, scale, docs, window)
 
 
 # ---- training -------------------------------------------------------------------------------
@@ -353,7 +371,8 @@ def apply_context_parallel(model: Transformer, group: dist.ProcessGroup, mode: s
     before activation checkpointing and data-parallel wrapping, which keep the attribute)."""
     for block in model.layers.values():
         attention = block.attention
-        attention.context = partial(context_attention, group=group, mode=mode, scale=attention.scale)
+        attention.context = partial(context_attention, group=group, mode=mode, scale=attention.scale,
+                                    window=attention.window)
     model.sequence_sharded = True
 
 
