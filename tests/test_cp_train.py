@@ -36,6 +36,10 @@ TEXT_RUNS = {
     "cp4-ring-full-checkpointing": (4, ["parallel.cp=4", "memory.activation_checkpoint=full"]),
     "dp2-cp2-alltoall-zero3": (4, ["parallel.cp=2", "parallel.cp_mode=alltoall", "parallel.zero=3"]),
     "cp2-tp2": (4, ["parallel.cp=2", "parallel.tp=2", "checkpoint.every=2"]),
+    # Every ZeRO stage and hybrid sharding reduce (and shard) over dp × cp.
+    "dp2-cp2-zero1": (4, ["parallel.cp=2", "parallel.zero=1"]),
+    "dp2-cp2-zero2": (4, ["parallel.cp=2", "parallel.zero=2"]),
+    "hybrid2-cp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3", "parallel.dp_replicate=2"]),
     # Pipeline stages: each sends its share of a micro-batch on (gpipe: all forwards, then all backwards).
     "cp2-pp2-gpipe": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
 }

@@ -215,9 +215,10 @@ def test_qlora_logs_the_losses_of_its_dequantized_base_under_ddp_and_zero3(tmp_p
 
 
 @pytest.mark.slow
-def test_an_int8_base_under_zero3_logs_the_losses_of_its_dequantized_copy(tmp_path):
-    """The int8 base (a scale per row) sharded by FSDP2 on 2 workers: the losses of one process
-    on the dequantized weights, and step 1's gradient norm (as for NF4 above)."""
+def test_an_int8_base_under_zero3_and_cp_logs_the_losses_of_its_dequantized_copy(tmp_path):
+    """The int8 base (a scale per row) sharded by FSDP2 on 2 workers, and an NF4 base under
+    context parallel (each sequence split over 2 ranks): the losses of one process on the
+    dequantized weights, and step 1's gradient norm (as for NF4 above)."""
     from hf_models import make_hf_folder
 
     base = make_hf_folder(tmp_path / "base")
@@ -225,5 +226,10 @@ def test_an_int8_base_under_zero3_logs_the_losses_of_its_dequantized_copy(tmp_pa
     want = losses(tmp_path / "ref")
     train(tmp_path / "z3", f"model.hf={base}", "lora.base=int8", "parallel.zero=3", *QL, nproc=2)
     got = losses(tmp_path / "z3")
+    assert_close_losses(list(got), list(want))
+    assert_close_losses(got[:1], want[:1])
+    train(tmp_path / "nf4", f"model.hf={_dequantized_copy(base, tmp_path / 'nf4-dequantized', 'nf4')}", *QL, nproc=1)
+    train(tmp_path / "cp2", f"model.hf={base}", "lora.base=nf4", "parallel.cp=2", *QL, nproc=2)
+    got, want = losses(tmp_path / "cp2"), losses(tmp_path / "nf4")
     assert_close_losses(list(got), list(want))
     assert_close_losses(got[:1], want[:1])
