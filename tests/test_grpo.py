@@ -120,18 +120,24 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def test_layouts_equal_one_process_and_the_engine_holds_the_trained_weights(tmp_path):
-    """ZeRO-3 over 2 workers against one process: the same completions (rewards), loss and
-    gradient norm at every step; the engine's weights after the last step equal the
-    checkpoint's bit for bit (gathered from FSDP shards; under tp + LoRA only adapters move)."""
+    """DDP and ZeRO-1/2/3 over 2 workers, and tp + LoRA, against one process: the same
+    completions (rewards), loss and gradient norm at every step; the engine's weights after the
+    last step equal the checkpoint's bit for bit (gathered from FSDP shards; under tp + LoRA
+    only adapters move)."""
     one, zero3, tp_lora = tmp_path / "one", tmp_path / "zero3", tmp_path / "tp_lora"
     train(one, *grpo_sets(tmp_path, 3, "train.eval_every=3"))
     train(zero3, *grpo_sets(tmp_path, 3, "train.eval_every=3", "parallel.zero=3"), nproc=2,
           env={"LLMSPLIT_DUMP_ENGINE": str(tmp_path / "zero3-engine")})
-    want, got = records(one), records(zero3)
-    for a, b in zip(got, want):
-        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    assert got[-1]["eval_reward"] == pytest.approx(want[-1]["eval_reward"], abs=1e-9)
+    want = records(one)
+    for zero in (0, 1, 2):  # DDP, and the optimizer state / gradients sharded
+        train(tmp_path / f"zero{zero}", *grpo_sets(tmp_path, 3, "train.eval_every=3", f"parallel.zero={zero}"), nproc=2)
+    for name in ("zero0", "zero1", "zero2", "zero3"):
+        got = records(tmp_path / name)
+        assert len(got) == len(want), name
+        for a, b in zip(got, want):
+            assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"], name
+            assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert got[-1]["eval_reward"] == pytest.approx(want[-1]["eval_reward"], abs=1e-9)
     # A reward function that fails at step 3: the run stops naming it, and its step-2 checkpoint
     # resumes into the step 3 of the run that never stopped.
     crashed = tmp_path / "crashed"
@@ -148,8 +154,13 @@ def test_layouts_equal_one_process_and_the_engine_holds_the_trained_weights(tmp_
     for name in trained.names():
         assert torch.equal(engine[name], trained.read(name)), name
 
-    train(tp_lora, *grpo_sets(tmp_path, 2, "train.eval_every=2", "parallel.tp=2", "lora.rank=4", "lora.alpha=8"),
+    lora = ("lora.rank=4", "lora.alpha=8")
+    train(tp_lora, *grpo_sets(tmp_path, 2, "train.eval_every=2", "parallel.tp=2", *lora),
           nproc=2, env={"LLMSPLIT_DUMP_ENGINE": str(tmp_path / "tp-engine")})
+    train(tmp_path / "lora_one", *grpo_sets(tmp_path, 2, "train.eval_every=2", *lora))
+    for a, b in zip(records(tp_lora), records(tmp_path / "lora_one"), strict=True):  # tp + LoRA as one process
+        assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) <= 1e-5
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     engine = torch.load(tmp_path / "tp-engine" / "engine-step2.pt", weights_only=True)
     adapters = read_adapters_of(tp_lora)
     assert adapters and all(torch.equal(engine[name], t) for name, t in adapters.items() if name.endswith("lora_a"))
