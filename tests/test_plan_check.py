@@ -74,16 +74,16 @@ def test_auto_runs_the_planners_layout_and_confirms_the_micro_batch_by_trial(tmp
     proc = train(tmp_path / "run", *TINY, nproc=2, extra=("--auto", *limit), timeout=240)
     cfg = load_config(None, [*TINY, f"memory.limit_bytes={4 << 30}"])
     want, best = auto_config(cfg, model_config(cfg, 258), 2, local_cpu(2))
-    assert "--auto chose" in proc.stderr
+    assert f"--auto chose {' '.join(best.layout.settings())} for 2 × cpu" in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for key in ("dp", "zero", "tp", "pp"):
-        assert summary["layout"][key] == best["layout"][key], key
-    per_rank = cfg.train.global_batch // best["layout"]["dp"]
+        assert summary["layout"][key] == getattr(best.layout, key), key
+    per_rank = cfg.train.global_batch // best.layout.dp
     trials = [line for line in proc.stderr.splitlines() if "--auto trial" in line]
-    assert f"micro_batch={best['layout']['micro_batch']}:" in trials[0] and trials[-1].endswith("fits"), trials
+    assert f"micro_batch={best.layout.micro_batch}:" in trials[0] and trials[-1].endswith("fits"), trials
     written = load_config(tmp_path / "run" / "config.toml")
     assert written.train.micro_batch == per_rank  # the trial's choice is what ran (and what a resume reads)
-    assert written.memory.activation_checkpoint == best["layout"]["activation_checkpoint"]
+    assert written.memory.activation_checkpoint == best.layout.activation_checkpoint
     check = summary["plan_check"]
     for key in ("predicted_model_state_bytes", "measured_model_state_bytes", "predicted_peak_bytes",
                 "measured_peak_bytes", "ratio_model_state", "ratio_peak"):
