@@ -137,19 +137,18 @@ def oversubscription(cores: int | None = None, load: float | None = None) -> str
     return f"load average {load:.1f} on {cores} cores: other processes want these cores"
 
 
-def workers_threads(nproc: int, busy: int | None = None, say: bool = True) -> dict[str, str]:
+def workers_threads(nproc: int, busy: int = 0) -> dict[str, str]:
     """The thread variables of `nproc` local workers: the cores shared among them, or the
     count the user exported (then nothing tunes it). A count llmsplit chose is marked so: its
     workers may tune it (ThreadTuner), and a later launch from the same process chooses
-    afresh. Where `busy` threads of other processes want the cores (`runnable_elsewhere`,
-    read now when None), `contention` sets the count the workers start at and, with `say`,
-    its sentence goes to stderr."""
+    afresh. Where `busy` threads of other processes want the cores (`runnable_elsewhere`),
+    `contention` sets the count the workers start at, and its sentence goes to stderr."""
     if count_is_the_users():
         omp = os.environ["OMP_NUM_THREADS"]
         return {"OMP_NUM_THREADS": omp, "LLMSPLIT_THREADS": omp, CHOSEN_BY_LLMSPLIT: "0", START_THREADS: "0"}
     omp = max(1, (os.cpu_count() or 1) // nproc)
-    start, note = contention(nproc, omp, runnable_elsewhere() if busy is None else busy)
-    if note and say:
+    start, note = contention(nproc, omp, busy)
+    if note:
         print(f"llmsplit: {note}", file=sys.stderr, flush=True)
     return {"OMP_NUM_THREADS": str(omp), "LLMSPLIT_THREADS": str(omp), CHOSEN_BY_LLMSPLIT: "1",
             START_THREADS: str(start)}

@@ -252,20 +252,24 @@ def _unreachable_peer_hint(detail: str) -> str | None:
             f"(`llmsplit doctor --master-addr ADDR --master-port PORT` shows each node's)")
 
 
-def prepare_workers(nproc: int, preload: list[str]) -> tuple[str, dict[str, str]]:
+def prepare_workers(nproc: int, preload: list[str], tuned: bool = False) -> tuple[str, dict[str, str]]:
     """What every start of local workers shares (`launch` and `Followers`): torch's elastic
     logging at warnings, the malloc policy, the start method with the workers' modules
     (`preload`) imported once, and each worker's thread count, returned as the environment
     that carries it (`threads.workers_threads`): the cores shared among the workers instead
-    of every worker taking all of them, one at first where other processes want them; values
-    the user exported are kept. The caller hands each worker this
+    of every worker taking all of them; values the user exported are kept. `tuned`: CPU
+    workers that tune their count as they run (training's), which start at one thread where
+    other processes want the cores (read once, as the program started, when it did). The caller hands each worker this
     process's whole environment with it (`_in_environment`, Followers' envs): a worker forked
     from the forkserver inherits the forkserver's, which is this process's environment as it
     was when an earlier launch started the server (a variable unset since then still
     reaches the workers)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _small_mmap_threshold()
-    threads = workers_threads(nproc, _busy_at_start, say=not torch.cuda.is_available())
+    busy = 0
+    if tuned and not torch.cuda.is_available():
+        busy = _busy_at_start if _busy_at_start is not None else runnable_elsewhere()
+    threads = workers_threads(nproc, busy)
     method = start_method()
     _preload(method, preload)
     return method, threads
@@ -317,7 +321,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
             raise ValueError("--master-port is required with --nnodes > 1")
         master_port = free_port()
     elastic = min_nodes is not None and min_nodes < nnodes
-    method, threads = prepare_workers(nproc, [entrypoint.__module__, *preload])
+    method, threads = prepare_workers(nproc, [entrypoint.__module__, *preload], tuned=True)
     os.environ.update(threads)  # the elastic agent hands OMP_NUM_THREADS on from here
     use_master_route(nnodes, "this node" if elastic else f"node {node_rank}", master_addr, master_port)
     if elastic:
@@ -330,12 +334,11 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
                           max_restarts=max_restarts, monitor_interval=0.1, start_method=method, **rendezvous)
     environment = {name: value for name, value in os.environ.items() if name not in AGENT_VARIABLES}
     # Static multi-node: a timeout names the nodes that never signed in (presence.py).
-    sign_ins = NodeSignIns(master_addr, master_port, node_rank, nnodes) if nnodes > 1 and not elastic \
-        else contextlib.nullcontext()
+    sign_ins = NodeSignIns(master_addr, master_port, node_rank, nnodes) if nnodes > 1 and not elastic else None
     try:
         watch = FailureWatch(environment, None, rendezvous.get("local_addr", "this machine")) if elastic else \
             FailureWatch(environment, first_rank=node_rank * nproc)
-        with watch, sign_ins:  # a restart's workers say why
+        with watch, sign_ins or contextlib.nullcontext():  # a restart's workers say why
             return elastic_launch(config, _in_environment)(environment, os.getcwd(), entrypoint, *args)
     except ChildFailedError as e:
         raise failure_error(e.failures, f" on node {node_rank}" if nnodes > 1 and not elastic else "") from None
@@ -346,7 +349,7 @@ def launch(entrypoint, args: tuple, *, nproc: int, nnodes: int = 1, node_rank: i
         if elastic:
             raise LaunchError(f"fewer than {min_nodes} nodes met at {master_addr}:{master_port} {waited}: {e}",
                               doctor_hint(master_addr, master_port)) from None
-        if sign_ins.missing:
+        if sign_ins is not None and sign_ins.missing:
             raise LaunchError(never_reached(sign_ins.missing, nnodes, master_addr, master_port, waited),
                               doctor_hint(master_addr, master_port)) from None
         if node_rank == 0:

@@ -70,7 +70,9 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
         if world % tp:
             continue
         for pp in divisors(world // tp):
-            for cp in _context_degrees(work, world // (tp * pp)):
+            # Context parallel in training: every degree the ranks divide by (layout.check keeps
+            # those the sequence allows), so a sequence too long for one device is split.
+            for cp in [1] if work.mode == "infer" else divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 if work.mode == "infer":
                     variants = [Layout(dp=dp, tp=tp, pp=pp)]
@@ -79,14 +81,6 @@ def enumerate_layouts(cfg: LlamaConfig, work: Workload, world: int, device: Devi
                 else:
                     variants = _training_variants(cfg, work, device, tp, pp, dp, minimal, cp)
                 yield from (lay for lay in variants if accepts(cfg, lay, work, world))
-
-
-def _context_degrees(work: Workload, ranks: int) -> list[int]:
-    """Context-parallel degrees to try: 1, and in training every one the ranks and the sequence
-    divide by, so a sequence too long for one device's activations is split rather than refused."""
-    if work.mode == "infer":
-        return [1]
-    return [c for c in divisors(ranks) if c == 1 or work.seq_len % (2 * c) == 0]
 
 
 def accepts(cfg: LlamaConfig, layout: Layout, work: Workload, world: int) -> bool:

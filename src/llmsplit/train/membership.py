@@ -70,7 +70,7 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
         return
     machines = [address for _, address in sorted(set(nodes))]
     path = run_dir / MEMBERSHIP_FILE
-    before = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    before = _attempts(run_dir)
     # Counted here, not from torch's restart count: a machine that joined later (whose rank 0
     # this may be) counts its own restarts from 0. A fresh run's first attempt starts the file.
     attempt = len(before) if before and (restarted or resumed_from_step) else 0
@@ -100,9 +100,14 @@ def restarted_for_a_join(run_dir: Path) -> bool:
     """Whether torch's agent restarted these workers because a machine joined, not because one
     failed: it counts only failures against --max-restarts, so the restart count is the one
     the attempt recorded last in membership.jsonl (whose line then says who joined)."""
+    before = _attempts(run_dir)
+    return bool(before) and before[-1].get("restart") == _restart_count() > 0
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    """membership.jsonl's records, oldest first ([] before the first)."""
     path = run_dir / MEMBERSHIP_FILE
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return bool(lines) and json.loads(lines[-1]).get("restart") == _restart_count() > 0
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 class ConfigMismatch(RuntimeError):
