@@ -13,6 +13,9 @@ Python (a ctypes library, as the paged kernel was first, cannot be called from a
 Where a kernel cannot be built (no compiler, a torch without libgomp or headers, an
 unwritable cache) the caller keeps PyTorch's path, which gives the same values to float
 rounding; `LLMSPLIT_NATIVE=0` asks for that everywhere, and each kernel has its own switch too.
+`LLMSPLIT_NATIVE_GENERIC=1` builds the code a CPU without AVX-512 runs (`-mno-avx512f` after
+`-march=native`, a library of its own in the cache), so that the kernels' other branches are
+compiled and checked against the reference on a machine with AVX-512 too (the tests do).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ log = logging.getLogger("llmsplit.native")
 
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
          "-fopenmp", "-fPIC", "-shared"]
+GENERIC = "LLMSPLIT_NATIVE_GENERIC"
 
 _lock = threading.Lock()
 _built: dict[Path, Path | None] = {}  # source -> its loaded library (None: not built)
@@ -90,7 +94,8 @@ def _compile(source: Path, fallback: str) -> Path | None:
         log.info("%s not built (%s); %s", source.name, missing, fallback)
         return None
     text = _text(source)
-    flags = [*FLAGS, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", *_torch_flags()]
+    generic = ["-mno-avx512f"] if os.environ.get(GENERIC) == "1" else []  # every AVX-512 subset off
+    flags = [*FLAGS, *generic, f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", *_torch_flags()]
     # torch's version too: a C++ kernel built against one torch's headers must not load into another;
     # and the compiler's own (its path stays the same when the system upgrades it).
     key = hashlib.sha256(b"\0".join([text, " ".join([compiler, _compiler_version(compiler), *flags,

@@ -115,26 +115,6 @@ static inline const uint16_t *group_scales_at(const uint16_t *sz, int64_t k, int
     return sz + ((k / group) * padded + r0) * row_stride<FORM>();
 }
 
-/* Inputs k and k + 1 (the 64 bytes at `col`) of a 64-row block: `lo` rows 0-31's nibbles, `hi`
- * rows 32-63's, one byte each. Q8_D joins them with the low nibbles' matrix `in` columns later
- * into q + 128 = 16 hi + lo. Its own function: written inline in block_row, the Q8_D lines
- * (dead code for the other forms) left their loop 10% slower, measured. */
-template <int FORM>
-static inline void nibbles(const uint8_t *col, int64_t in, __m512i low, __m512i &lo, __m512i &hi) {
-    const __m512i ab = _mm512_loadu_si512(col);
-    _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
-    lo = _mm512_and_si512(ab, low);
-    hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low);
-}
-template <>
-inline void nibbles<Q8_D>(const uint8_t *col, int64_t in, __m512i low, __m512i &lo, __m512i &hi) {
-    const __m512i ab = _mm512_loadu_si512(col), cd = _mm512_loadu_si512(col + in * 32);
-    _mm_prefetch((const char *)(col + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(col + in * 32 + PREFETCH), _MM_HINT_T0);
-    lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(ab, low), 4), _mm512_and_si512(cd, low));
-    hi = _mm512_or_si512(_mm512_andnot_si512(low, ab), _mm512_and_si512(_mm512_srli_epi16(cd, 4), low));
-}
-
 /* One row of x against weight block `blk` (64 rows): out[r] for r < 64. One row at a time so
  * every accumulator stays in a register (a loop over a runtime count of rows kept them on the
  * stack: 1.6x slower); a second row of x re-reads the block from cache.

@@ -28,7 +28,8 @@ one thread, CPU time per call, SmolLM2-135M's shapes; docs/quantization.md has t
   row of x, and is still at least as fast as PyTorch's kernel up to 32 rows (`NATIVE_MAX_ROWS`).
   Its product is closer to the float one than PyTorch's kernel's (x is not rounded to
   bfloat16), and it reads the weights' float16 scales (`pack_int4`): GGUF's own, exactly.
-  Int8 weights, other CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels.
+  Int8 weights, other CPUs, and `LLMSPLIT_INT4_KERNEL=0` keep PyTorch's kernels (a portable
+  form of this one was slower than them there, measured: docs/quantization.md).
 - The same file widens a prompt's int4 tiles to bfloat16 (the operator llmsplit::int4_widen):
   one pass over nibbles and scales where torch ops took six, bit for bit the same values:
   SmolLM2-135M's gate/up 0.07-0.13 ms against 0.41-0.52 (2 threads, EPYC), ~6% of a
