@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from .llama_cpp import BIN
+from .llama_cpp import BIN, repack_flags
 
 NEW = 128
 
@@ -43,7 +43,7 @@ def _cpu_of(cmd: list[str]) -> float:
 def llama_cpp_ms(path: str, threads: int) -> float:
     def cpu(n: int) -> float:
         return _cpu_of([str(BIN / "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(n),
-                        "-r", "1", "--repack", "0", "-o", "json"])
+                        "-r", "1", *repack_flags("llama-bench"), "-o", "json"])
 
     return (cpu(NEW + 16) - cpu(16)) / NEW * 1e3
 
@@ -52,7 +52,7 @@ def llama_cpp_batch_ms(path: str, threads: int, batch: int) -> float:
     """CPU ms per token of `batch` sequences decoding together (llama-batched-bench)."""
     def cpu(n: int) -> float:
         return _cpu_of([str(BIN / "llama-batched-bench"), "-m", path, "-t", str(threads), "-c", "4096",
-                        "--no-repack", "-npp", "8", "-ntg", str(n), "-npl", str(batch)])
+                        *repack_flags("llama-batched-bench"), "-npp", "8", "-ntg", str(n), "-npl", str(batch)])
 
     return (cpu(NEW + 16) - cpu(16)) / (NEW * batch) * 1e3
 

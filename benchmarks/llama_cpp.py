@@ -15,9 +15,10 @@ is its own); medians. Rows, greedy, EOS ignored:
   RSS without it too (no dynamo/inductor in that process).
 The llama.cpp binaries: ~/.cache/llmsplit-peers/llama_cpp_python-0.3.36/build/bin (built from
 the llama-cpp-python sdist, /work/shared/REFERENCES.md); a missing tool is reported, not built.
-llama.cpp runs with `--repack 0`: its AMX repacking (the default on this AMX CPU) segfaults in
-`ggml::cpu::amx::tensor_traits::compute_forward` on this VM (gdb backtrace), so it runs its
-AVX-512/VNNI Q4_1 dot products on the file's own blocks.
+llama.cpp runs at its defaults (weights repacked for the CPU at load), except on a CPU with
+AMX, where its AMX repacking segfaulted in `ggml::cpu::amx::tensor_traits::compute_forward`
+(gdb backtrace, on the Xeon VMs these benchmarks first ran on): there repacking is off
+(`repack_flags`), and each table says which it was, with the CPU's flags (`llama_cpp_setting`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 from pathlib import Path
 
 BIN = Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36/build/bin"
+AMX = ("amx_tile", "amx_int8", "amx_bf16")
 NEW, PROMPT, SEQS = 128, 512, 16
 
 _OURS = r"""
@@ -64,6 +66,30 @@ print(json.dumps(out))
 """
 
 
+def _cpu_flags() -> list[str]:
+    from llmsplit import native
+
+    line = native._cpu_flags()
+    return line.split(":", 1)[1].split() if ":" in line else []
+
+
+def repack_flags(tool: str) -> list[str]:
+    """llama.cpp as its users run it (repacking on) unless the CPU has AMX (see the docstring).
+    llama-bench spells the switch `--repack 0`, the other tools `--no-repack`."""
+    if not any(f in _cpu_flags() for f in AMX):
+        return []
+    return ["--repack", "0"] if tool == "llama-bench" else ["--no-repack"]
+
+
+def llama_cpp_setting() -> str:
+    """The line each table prints beside llama.cpp's numbers: its repacking and why."""
+    flags = _cpu_flags()
+    simd = " ".join(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")) or "no AVX flags"
+    if any(f in flags for f in AMX):
+        return f"llama.cpp with repacking off (`--no-repack`): its AMX repack segfaults on this CPU ({simd})"
+    return f"llama.cpp at its defaults, weights repacked (this CPU has no AMX: {simd})"
+
+
 def _run(cmd: list[str], env=None) -> tuple[str, float]:
     """(stdout, peak RSS in MiB) of one child process."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
@@ -79,13 +105,13 @@ def _run(cmd: list[str], env=None) -> tuple[str, float]:
 def llama_cpp(path: str, threads: int) -> dict:
     r = {}
     out, rss = _run([str(BIN / "llama-bench"), "-m", path, "-t", str(threads), "-p", str(PROMPT), "-n", str(NEW),
-                     "-r", "1", "-o", "json", "--repack", "0"])
+                     "-r", "1", "-o", "json", *repack_flags("llama-bench")])
     for test in json.loads(out):
         r["prompt" if test["n_prompt"] else "decode"] = test["avg_ts"]
     r["rss_mib"] = rss
     if (BIN / "llama-batched-bench").exists():
-        out, _ = _run([str(BIN / "llama-batched-bench"), "-m", path, "-t", str(threads), "-c", "4096", "--no-repack",
-                       "-npp", "8", "-ntg", str(NEW), "-npl", str(SEQS)])
+        out, _ = _run([str(BIN / "llama-batched-bench"), "-m", path, "-t", str(threads), "-c", "4096",
+                       *repack_flags("llama-batched-bench"), "-npp", "8", "-ntg", str(NEW), "-npl", str(SEQS)])
         for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if len(cells) >= 8 and cells[2] == str(SEQS) and re.fullmatch(r"[\d.]+", cells[7]):
@@ -153,7 +179,9 @@ def main(argv=None) -> int:
                      f"{bar}×{unit}: {'met' if ok else 'not met'} |")
     fp = med["llmsplit fp32"]["decode"]
     lines += ["", f"llmsplit fp32 path decode: {fp:.1f} tokens/s; packed / fp32 = {us['decode'] / fp:.2f} (bar ≥ 3×).",
-              f"Load average during the rounds: {min(loads):.1f}–{max(loads):.1f}."]
+              f"Load average during the rounds: {min(loads):.1f}–{max(loads):.1f}; {llama_cpp_setting()}.",
+              f"Command: `python -m benchmarks.llama_cpp {' '.join(argv if argv is not None else sys.argv[1:])}`, "
+              f"rounds alternating (round 0: {', '.join(results)}; round 1 the reverse)."]
     if "llmsplit eager" in med:
         eager = med["llmsplit eager"]
         lines.insert(-1, f"llmsplit packed without --compile: decode {eager['decode']:.1f} tokens/s "

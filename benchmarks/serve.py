@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .infer import _random_llama, _smollm_gguf
+from .llama_cpp import llama_cpp_setting, repack_flags
 
 TITLE = "Serving: 32 concurrent clients, mixed prompt and answer lengths (CPU, 2 threads)"
 BUDGET = 512  # llmsplit's --max-num-batched-tokens here
@@ -40,6 +41,9 @@ NARROW_KV = "bfloat16"  # the second llmsplit row's --kv-dtype
 # SERVE_BUDGETS=1024,2048: a row for llmsplit at each of these --max-num-batched-tokens too (the
 # trade a budget makes: prompts fill in fewer steps, while each running stream waits a longer step).
 EXTRA_BUDGETS = [int(b) for b in os.environ.get("SERVE_BUDGETS", "").split(",") if b.strip()]
+# LLAMA_SERVER_SETTINGS="-b 512 -ub 512;-np 16": a llama-server row with each of these flag sets too, the
+# same tuning effort as SERVE_BUDGETS gives llmsplit (its batch -b, micro-batch -ub, slots -np).
+LLAMA_SETTINGS = [s.split() for s in os.environ.get("LLAMA_SERVER_SETTINGS", "").split(";") if s.strip()]
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 # SERVE_ONLY="llmsplit,previous engine": run only these rows (names as in the table).
 ONLY = {name.strip() for name in os.environ.get("SERVE_ONLY", "").split(",") if name.strip()}
@@ -70,12 +74,16 @@ def _llmsplit(model: Path, log: Path, src: Path, batch: int, context: int, *flag
                   env={"PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"})
 
 
-def _llama_server(model: Path, log: Path, batch: int, context: int):
+def _llama_server(model: Path, log: Path, batch: int, context: int, *flags: str):
+    """llama-server at its defaults (repacking off only on an AMX CPU: llama_cpp.repack_flags) with
+    `batch` slots of `context` tokens each, or `-np N` of `flags`' slots; `flags` its tuning."""
     port = 8900 + random.randrange(90)
-    # --no-repack: llama.cpp's AMX repacking segfaults on these VMs (benchmarks/llama_cpp.py).
-    return _start([str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", str(batch), "-c", str(batch * context),
-                   "--port", str(port), "--host", "127.0.0.1", "--no-repack"], log, ready=r"listening on http",
-                  url=f"http://127.0.0.1:{port}")
+    at = flags.index("-np") if "-np" in flags else None
+    slots = batch if at is None else int(flags[at + 1])
+    rest = flags if at is None else flags[:at] + flags[at + 2:]
+    return _start([str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", str(slots), "-c", str(slots * context),
+                   "--port", str(port), "--host", "127.0.0.1", *repack_flags("llama-server"), *rest], log,
+                  ready=r"listening on http", url=f"http://127.0.0.1:{port}")
 
 
 def workload(n: int, seed: int, vocab: int, prompt=(16, 1024), new=(16, 256)) -> list[tuple[list[int], int]]:
@@ -229,6 +237,9 @@ def main(quick: bool = False) -> dict:
             systems["previous engine"] = lambda log: _llmsplit(model, log, PREVIOUS, clients, context, *budget)
         if not quick and gguf is not None and LLAMA_SERVER.exists():
             systems["llama-server"] = lambda log: _llama_server(model, log, clients, context)
+            for flags in LLAMA_SETTINGS:
+                systems[f"llama-server {' '.join(flags)}"] = lambda log, flags=flags: _llama_server(
+                    model, log, clients, context, *flags)
         if ONLY:  # SERVE_ONLY: a side-by-side of some rows (e.g. a change against the commit before it)
             systems = {name: start for name, start in systems.items() if name in ONLY}
         runs: dict[str, list[dict]] = {name: [] for name in systems}
@@ -270,7 +281,7 @@ def main(quick: bool = False) -> dict:
     wastes = [x["kv_waste"] for x in runs["llmsplit"] if "kv_waste" in x]
     summary["llmsplit"]["kv_waste"] = statistics.median(wastes) if wastes else None
     return {"model": label, "clients": clients, "rounds": rounds, "prompt": prompt, "new": new,
-            "summary": summary, "runs": runs, "extra": extra, "loadavg": loads, "missing": [
+            "order": list(systems), "summary": summary, "runs": runs, "extra": extra, "loadavg": loads, "missing": [
                 n for n in ("previous engine", "llama-server") if n not in systems]}
 
 
@@ -279,7 +290,8 @@ def to_markdown(r: dict) -> list[str]:
     out = [f"{r['model']}; {r['clients']} clients at once, one streaming request each, prompts of "
            f"{r['prompt'][0]}-{r['prompt'][1]} token ids and {r['new'][0]}-{r['new'][1]} new tokens (seeded, greedy, "
            f"EOS ignored); llmsplit with --max-num-batched-tokens {BUDGET}; medians of {r['rounds']} alternating rounds; 1-min load average at each round's start: "
-           f"{', '.join(f'{x:.2f}' for x in r['loadavg'])}.", "",
+           f"{', '.join(f'{x:.2f}' for x in r['loadavg'])}; round 0 ran {', '.join(r.get('order', []))}, "
+           f"round 1 the reverse; {llama_cpp_setting()}, {r['clients']} slots unless -np says.", "",
            "| server | output tokens/s | llmsplit ÷ this | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in s.items():
