@@ -13,12 +13,14 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import checkpointing, ddp, finetune, infer, model_parallel, offload, peers_train, serve, threads, train_threads
+from . import (checkpointing, ddp, finetune, infer, lora_ddp, model_parallel, offload, packing, peers_train, qlora,
+               serve, threads, train_threads)
 from .plots import available as can_plot
 
 BENCHMARKS = {"ddp": ddp, "peers": peers_train, "finetune": finetune, "model_parallel": model_parallel,
               "checkpointing": checkpointing, "infer": infer, "offload": offload, "serve": serve,
-              "threads": threads, "train_threads": train_threads}
+              "threads": threads, "train_threads": train_threads, "lora_ddp": lora_ddp, "packing": packing,
+              "qlora": qlora}
 
 
 def machine() -> str:

@@ -62,7 +62,8 @@ def run_plain(folder: Path, nproc: int, steps: int, shape: dict, out: Path, extr
            "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]), "--out", str(out), *extra]
     run_logged(cmd, out, env=_env(nproc), log_path=out.with_suffix(".log"))
     data = json.loads(out.read_text())
-    return {"tps": data["tokens_per_step"] / statistics.median(data["step_time_s"][WARMUP:]), "loss1": data["loss"][0]}
+    return {"tps": data["tokens_per_step"] / statistics.median(data["step_time_s"][WARMUP:]), "loss1": data["loss"][0],
+            "peak": max(data["peak_mem_bytes"])}
 
 
 def run_llmsplit(folder: Path, nproc: int, steps: int, shape: dict, run_dir: Path, extra=()) -> dict:
@@ -74,7 +75,10 @@ def run_llmsplit(folder: Path, nproc: int, steps: int, shape: dict, run_dir: Pat
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens = shape["global_batch"] * shape["seq_len"]
-    return {"tps": tokens / statistics.median([r["step_time_s"] for r in rows][WARMUP:]), "loss1": rows[0]["loss"]}
+    # peak: the largest rank's VmHWM from the reset before step 1 to the end of the last step, the
+    # span plain_hf_ddp.py measures (the summary's per-rank figure also spans the final checkpoint).
+    return {"tps": tokens / statistics.median([r["step_time_s"] for r in rows][WARMUP:]), "loss1": rows[0]["loss"],
+            "peak": rows[-1]["peak_mem_bytes"]}
 
 
 def main(quick: bool = False, rounds: int = 4, steps: int = 8, nproc: int = 2) -> dict:

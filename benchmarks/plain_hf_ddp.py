@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM
 from llmsplit.data.corpus import load_tokens
 from llmsplit.data.loader import BatchSampler
 from llmsplit.io.tokenizer import load_tokenizer
+from llmsplit.train.metrics import peak_memory_bytes, reset_peak_memory
 
 
 def main():
@@ -56,6 +57,9 @@ def main():
     per_rank = args.global_batch // world
     n_micro = per_rank // args.micro_batch
     times, losses = [], []
+    # The peak is measured from here, as `llmsplit train` measures it (reset before step 1, after
+    # the load, the adapters, the DDP wrap and the optimizer): both exclude loading and setup.
+    reset_peak_memory(torch.device("cpu"))
     for step in range(args.steps):
         prof = None
         if args.profile_dir and step == 2:
@@ -82,8 +86,7 @@ def main():
             prof.stop()
             os.makedirs(args.profile_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.profile_dir, f"rank{rank}.pt.trace.json"))
-    with open("/proc/self/status") as f:  # the process's peak resident size, as llmsplit reports on a CPU
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    peak = peak_memory_bytes(torch.device("cpu"))  # VmHWM since the reset: the training steps' peak
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     if rank == 0:

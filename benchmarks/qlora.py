@@ -1,8 +1,10 @@
-"""`python -m benchmarks.qlora [--model PRESET|HF_FOLDER|FILE.gguf] [--nproc N] [--zero Z]`: per-rank peak
-memory of LoRA over an fp32 base against QLoRA (`lora.base=nf4`, and int8) for the same model,
-layout, data and adapters. Alternating rounds; the peak is each rank's resident peak over the
-training steps (VmHWM, reset when training starts: the summary's per-rank `peak_mem_bytes`),
-which includes the ~0.3 GB every torch process holds before any model exists."""
+"""`python -m benchmarks.qlora [--quick] [--model PRESET|HF_FOLDER|FILE.gguf] [--nproc N] [--zero Z]`: per-rank
+peak memory of LoRA over an fp32 base against QLoRA (`lora.base=nf4`, and int8) for the same model,
+layout, data and adapters, every arm `llmsplit train`. Alternating rounds; the peak is each rank's
+resident peak from the start of training (VmHWM, reset right before step 1 in every arm: the
+summary's per-rank `peak_mem_bytes`), which includes the ~0.3 GB every torch process holds before
+any model exists and the base as held for training, but not the load (nor an fp32 copy made while
+quantizing)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+TITLE = "QLoRA: peak memory of LoRA over an fp32 base vs an nf4 base (both llmsplit)"
 BASES = ("none", "nf4", "int8")
 
 
@@ -33,8 +36,43 @@ def run(model: str, base: str, nproc: int, zero: int, run_dir: Path, steps: int,
             "n_params": summary.get("model", {}).get("params")}
 
 
-def main(argv) -> None:
-    ap = argparse.ArgumentParser()
+def main(quick: bool = False, model: str = "llama-3.2-1b", nproc: int = 1, zero: int = 0, rounds: int = 2,
+         steps: int = 2, seq_len: int = 64, bases: tuple[str, ...] = ("none", "nf4")) -> dict:
+    if quick:  # the `tiny` preset: the same code paths (nf4 included) in seconds
+        model, rounds = "tiny", 1
+    results: dict[str, list[dict]] = {b: [] for b in bases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for base in (bases if r % 2 == 0 else bases[::-1]):
+                res = run(model, base, nproc, zero, Path(tmp) / f"{base}{r}", steps, seq_len)
+                results[base].append(res)
+                print(f"round {r + 1} {base}: peak {res['peak'] / 2**20:.0f} MiB", file=sys.stderr)
+    return {"model": model, "nproc": nproc, "zero": zero, "seq_len": seq_len, "bases": list(bases),
+            "results": results, "load": Path("/proc/loadavg").read_text().split()[:3]}
+
+
+def to_markdown(r: dict) -> list[str]:
+    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
+    results, bases = r["results"], r["bases"]
+    lines = [f"LoRA rank 16 on every linear layer of {r['model']}, {r['nproc']} worker(s), zero {r['zero']}, "
+             f"{r['nproc']} x {r['seq_len']} tokens a step, fp32 compute; load average {' '.join(r['load'])}. Every "
+             "arm is llmsplit; the peak is measured from the same point in each (VmHWM reset right before step 1, "
+             "after the base is loaded and quantized).", "",
+             "| lora.base | peak per rank (MiB, median) | per round | parameters held (MiB) | step-1 loss | step s |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for base, rows in results.items():
+        per_round = ", ".join(f"{x['peak'] / 2**20:.0f}" for x in rows)
+        lines.append(f"| {base} | {med(rows, 'peak') / 2**20:.0f} | {per_round} | "
+                     f"{med(rows, 'params') / 2**20:.0f} | {rows[0]['loss1']:.5f} | {med(rows, 'step_s'):.2f} |")
+    lines.append("")
+    lines += [f"- {base}: {med(results[base], 'peak') / med(results[bases[0]], 'peak'):.2f}x the peak of "
+              f"lora.base={bases[0]}" for base in bases[1:]]
+    return lines
+
+
+def cli(argv) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.qlora")
+    ap.add_argument("--quick", action="store_true", help="the tiny preset, one round")
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--zero", type=int, default=0)
@@ -42,29 +80,10 @@ def main(argv) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--bases", default="none,nf4")
-    args = ap.parse_args(argv)
-    bases = args.bases.split(",")
-    results: dict[str, list[dict]] = {b: [] for b in bases}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for base in (bases if r % 2 == 0 else bases[::-1]):
-                res = run(args.model, base, args.nproc, args.zero, Path(tmp) / f"{base}{r}", args.steps, args.seq_len)
-                results[base].append(res)
-                print(f"round {r + 1} {base}: peak {res['peak'] / 2**20:.0f} MiB", file=sys.stderr)
-    load = Path("/proc/loadavg").read_text().split()[:3]
-    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
-    print(f"LoRA rank 16 on every linear layer of {args.model}, {args.nproc} worker(s), zero {args.zero}, "
-          f"{args.nproc} x {args.seq_len} tokens a step, fp32 compute; load average {' '.join(load)}")
-    print("| lora.base | peak per rank (MiB, median) | per round | parameters held (MiB) | step-1 loss | step s |\n"
-          "| --- | ---: | --- | ---: | ---: | ---: |")
-    for base, rows in results.items():
-        per_round = ", ".join(f"{x['peak'] / 2**20:.0f}" for x in rows)
-        print(f"| {base} | {med(rows, 'peak') / 2**20:.0f} | {per_round} | "
-              f"{med(rows, 'params') / 2**20:.0f} | {rows[0]['loss1']:.5f} | {med(rows, 'step_s'):.2f} |")
-    for base in bases[1:]:
-        print(f"{base}: {med(results[base], 'peak') / med(results[bases[0]], 'peak'):.2f}x the peak of "
-              f"lora.base={bases[0]}")
+    a = ap.parse_args(argv)
+    print("\n".join(to_markdown(main(a.quick, a.model, a.nproc, a.zero, a.rounds, a.steps, a.seq_len,
+                                      tuple(a.bases.split(","))))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(sys.argv[1:])

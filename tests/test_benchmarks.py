@@ -11,11 +11,13 @@ ROOT = Path(__file__).parent.parent
 
 # Not in the suite's quick run (`python -m benchmarks --quick NAME` runs each alone):
 # train_threads trains under a spinning neighbour (30 s of the suite's 15 minutes even in quick
-# mode; its measuring loop is threads.quiet_and_loaded, which `threads` runs here), and
+# mode; its measuring loop is threads.quiet_and_loaded, which `threads` runs here),
 # checkpointing (13 s: llmsplit runs alone, no peer, at activation_checkpoint none and full, which
-# tests/test_zero.py runs and compares).
-SKIPPED = ["train_threads", "checkpointing"]
-QUICK_RUN = ["ddp", "peers", "finetune", "model_parallel", "infer", "offload", "serve", "threads"]
+# tests/test_zero.py runs and compares), lora_ddp (~30 s: two 2-worker launches; its helpers are
+# finetune's, which runs here) and packing (~70 s on a loaded 2-core machine: three arms of
+# single-process training on two length distributions).
+SKIPPED = ["train_threads", "checkpointing", "lora_ddp", "packing"]
+QUICK_RUN = ["ddp", "peers", "finetune", "model_parallel", "infer", "offload", "serve", "threads", "qlora"]
 
 
 @pytest.mark.slow
@@ -28,7 +30,7 @@ def test_benchmark_suite_runs_end_to_end_in_quick_mode(tmp_path):
     assert "quick mode" in text and "| **ratio** |" in text
 
 
-def test_the_quick_run_names_every_benchmark_but_the_two_skipped():
+def test_the_quick_run_names_every_benchmark_but_the_skipped():
     table = (ROOT / "benchmarks" / "__main__.py").read_text().split("BENCHMARKS = {")[1].split("}")[0]
     assert sorted(QUICK_RUN + SKIPPED) == sorted(re.findall(r'"(\w+)":', table))
 
