@@ -165,7 +165,7 @@ def _add_generate(sub) -> argparse.ArgumentParser:
 
 
 def _add_serve(sub) -> argparse.ArgumentParser:
-    from .infer.config import TOOL_CALL_PARSERS
+    from .infer.config import POOLING, TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
                        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
@@ -212,7 +212,7 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-request-items", type=COUNT, default=10_000, metavar="N",
                    help="messages, content parts and tools one request may hold, each counted before the body is "
                         "parsed (default %(default)s)")
-    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="what /v1/embeddings and Ollama's "
+    p.add_argument("--pooling", choices=POOLING, default="last", help="what /v1/embeddings and Ollama's "
                    "/api/embed return: the final hidden state of the last token, or the mean over the text, "
                    "normalized (default %(default)s)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",

@@ -10,7 +10,7 @@ Training (`config.validate`), inference `--tp/--pp` and the planner all call the
 
 from .bubble import ACTION_COSTS, bubble_fraction, idle_per_compute, schedule_bubble, single_stage_order
 from .parse import LAYOUT_KEYS, parse_layout
-from .rules import INT4_GROUP, check, check_model, packed_split_problem, resolve_dp
+from .rules import INT4_GROUP, check, check_model, packed_split_problem, resolve_dp, sequence_multiple
 from .spec import (CHECKPOINTING, OFFLOADS, PRECISIONS, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Layout,
                    Workload, microbatches, stages_per_rank)
 from .stages import layer_costs, rank_layer_counts, rank_layers, split_layers, stage_ids_of_rank, stage_layers
@@ -21,6 +21,7 @@ __all__ = [
     "ACTION_COSTS", "CHECKPOINTING", "LAYOUT_KEYS", "parse_layout", "OFFLOADS", "PRECISIONS", "SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
     "V_SCHEDULES", "Layout", "Workload", "bubble_fraction", "check", "check_model", "idle_per_compute",
     "layer_costs", "microbatches", "rank_layer_counts", "rank_layers", "resolve_dp", "schedule_bubble",
+    "sequence_multiple",
     "single_stage_order", "split_layers", "stage_ids_of_rank", "stage_layers", "stages_per_rank",
     "BUFFERS", "COLWISE", "HEAD_NORMS", "INFER_EXPERT_DIMS", "INT4_GROUP", "KV_PROJECTIONS", "LAYER_PLAN", "REPLICATE",
     "ROWWISE", "TOP_PLAN", "VOCAB", "layer_plan", "packed_split_problem", "rank_layer_shapes", "split_dim", "tp_shard",

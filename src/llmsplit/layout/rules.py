@@ -332,15 +332,21 @@ def _check_pipeline_model(model: LlamaConfig, layout: Layout, work: Workload | N
                           "parallel puts on different ranks; set parallel.pp=1 or model.tie_embeddings=false")
 
 
+def sequence_multiple(layout: Layout) -> int:
+    """What a training sequence's length must divide by under sequence parallel, which cuts every
+    sequence (a cp rank's share of it) into tp equal pieces: uneven pieces make the ranks'
+    collectives disagree on sizes (gloo aborts the workers). 1 without it. Context parallel's
+    own 2 × cp rule is layout/context.py's."""
+    return layout.cp * layout.tp if layout.sp else 1
+
+
 def _check_sequence(model: LlamaConfig, layout: Layout, work: Workload) -> None:
     if work.mode != "train":
         return
     if work.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len={work.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
                           f"lower data.seq_len or raise model.max_seq_len")
-    if layout.sp and work.seq_len % (layout.cp * layout.tp):
-        # Sequence parallel cuts every sequence (a cp rank's share of it) into tp equal pieces;
-        # uneven pieces make the collectives of the ranks disagree on sizes (gloo aborts the workers).
+    if work.seq_len % sequence_multiple(layout):
         by = f"parallel.cp × parallel.tp = {layout.cp * layout.tp}" if layout.cp > 1 else f"parallel.tp={layout.tp}"
         raise ConfigError(f"data.seq_len={work.seq_len} is not divisible by {by}, and sequence parallel splits "
                           f"each sequence over the tp ranks; use a data.seq_len that is a multiple of "

@@ -64,8 +64,9 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     restarted = _restart_count() > 0
     if not restarted and int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
-    nodes = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, (int(os.environ.get("GROUP_RANK", "0")), _node_address()))
+    nodes = _job_nodes or [None] * dist.get_world_size()
+    if _job_nodes is None:  # check_same_config gathered them where the job spans machines
+        dist.all_gather_object(nodes, (int(os.environ.get("GROUP_RANK", "0")), _node_address()))
     if not rank0:
         return
     machines = [address for _, address in sorted(set(nodes))]
@@ -119,6 +120,11 @@ class ConfigMismatch(RuntimeError):
         self.details = {"node": node, "address": address, "keys": keys}
 
 
+# (node, address) of every rank, gathered once a process by check_same_config where the job spans
+# machines, so that record_membership does not gather them again (a worker process lives one attempt).
+_job_nodes: list[tuple[int, str]] | None = None
+
+
 def check_same_config(config_text: str) -> None:
     """Every worker of a job spanning machines: refuse, on every machine, a job whose machines
     were started with different configs (another --set, another file), naming the first keys
@@ -129,6 +135,8 @@ def check_same_config(config_text: str) -> None:
         return
     texts = [None] * dist.get_world_size()
     dist.all_gather_object(texts, (int(os.environ.get("GROUP_RANK", "0")), _node_address(), config_text))
+    global _job_nodes
+    _job_nodes = [(node, address) for node, address, _ in texts]
     node0 = min(texts)
     for node, address, text in sorted(set(texts)):
         if text != node0[2]:

@@ -29,7 +29,7 @@ from ..io.weights import pretrained_weights
 from ..io.run_dir import CONFIG_FILE, checkpoint_dir, write_run_config
 from ..io.tokenizer import load_tokenizer
 from ..launch import join_job
-from ..layout import microbatches
+from ..layout import microbatches, sequence_multiple
 from ..parallel.apply import build_optimizer, build_parallel_model, close_optimizer
 from ..parallel.context_parallel import shard_rows
 from ..parallel.mesh import Mesh, ParallelDims
@@ -159,9 +159,11 @@ class Trainer:
 
     def row_width_multiple(self) -> int | None:
         """What the width of rows cut to their batch's longest must divide by: 8 (kernels like
-        round shapes), and tp under sequence parallel; None under pipeline parallel, whose
-        schedule keeps the first step's shapes."""
-        return None if self.cfg.parallel.pp > 1 else math.lcm(8, self.cfg.parallel.tp)
+        round shapes) and the layout's sequence rule (`sequence_multiple`); None under pipeline
+        parallel, whose schedule keeps the first step's shapes."""
+        if self.cfg.parallel.pp > 1:
+            return None
+        return math.lcm(8, sequence_multiple(layout_of(self.cfg, self.world)))
 
     def _resume(self, resume: str) -> int:
         """The step to start after: that of the checkpoint loaded, else 0."""
