@@ -48,6 +48,20 @@ def test_compare_takes_the_fullest_rank_and_warns_beyond_25_percent():
     assert len(off["warnings"]) == 1 and "peak memory" in off["warnings"][0]
 
 
+def test_a_compiled_run_counts_what_compiling_adds_to_a_cpu_worker():
+    """train.compile's workers hold Dynamo's and Inductor's modules and the compiled code (~100
+    MiB a worker here, measured by the probe at the first compiled run): counted only where the
+    workload compiles, and not at all where it was never measured (an older cache)."""
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    layout, work = Layout(dp=2), Workload(seq_len=32, global_batch=8, precision="fp32")
+    measured = cpu_device({**MEASURED, "compile_extra_bytes": 100 << 20}, 2)
+    eager = training_memory(cfg, layout, work, measured).total
+    compiled = Workload(seq_len=32, global_batch=8, precision="fp32", compile=True)
+    assert training_memory(cfg, layout, compiled, measured).total == eager + (100 << 20)
+    unmeasured = cpu_device(MEASURED, 2)
+    assert training_memory(cfg, layout, compiled, unmeasured).total == training_memory(cfg, layout, work, unmeasured).total
+
+
 def test_compare_on_a_gpu_leaves_out_what_the_allocator_does_not_see():
     gpu = CATALOGUE["H100-80GB"]
     check = compare(_summary(400, 5000), _prediction(400, 5000 + gpu.runtime_bytes), gpu, "none")

@@ -83,6 +83,10 @@ def test_gradient_accumulation_and_compile_give_the_same_loss(reference, tmp_pat
     block torch.compile'd (train.compile; Inductor on the CPU, a cold compile ~12 s here)."""
     train(tmp_path / "run", *TINY, "train.steps=6", "train.micro_batch=1", "train.compile=true", nproc=2)
     assert_close_losses(losses(tmp_path / "run"), losses(reference))
+    # The planner counts what compiling adds to each worker (measured by diagnose/probe.py): the
+    # peak was 1.45x its prediction when it did not.
+    check = json.loads((tmp_path / "run" / "summary.json").read_text())["plan_check"]
+    assert check["warnings"] == [] and 0.8 < check["ratio_peak"] < 1.25, check
 
 
 def test_runs_inside_torchrun(reference, tmp_path):

@@ -97,7 +97,7 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
 def _local_device(job: TrainJob):
     from .diagnose.probe import local_device
 
-    return local_device(job.per_node)
+    return local_device(job.per_node, compile=job.cfg.train.compile)
 
 
 def _apply_auto(job: TrainJob) -> None:

@@ -26,7 +26,7 @@ from ..io.procfs import proc_bytes
 from ..plan.hardware import GiB, Device, cpu_device, nearest_catalogue_device
 
 
-def local_device(workers_per_node: int = 1) -> Device:
+def local_device(workers_per_node: int = 1, compile: bool = False) -> Device:
     """The device this machine trains on: the measured `cpu` without CUDA; with CUDA the
     catalogue entry named like torch's device name (e.g. "NVIDIA H100 80GB HBM3" →
     H100-80GB) and closest in memory, or, for a GPU the catalogue does not list, the entry
@@ -34,14 +34,15 @@ def local_device(workers_per_node: int = 1) -> Device:
     import torch
 
     if not torch.cuda.is_available():
-        return local_cpu(workers_per_node)
+        return local_cpu(workers_per_node, compile)
     props = torch.cuda.get_device_properties(0)
     return nearest_catalogue_device(props.name, props.total_memory)
 
 
-def local_cpu(workers_per_node: int = 1) -> Device:
-    """This machine's CPU as `workers_per_node` gloo workers (see `plan.hardware.cpu_device`)."""
-    return cpu_device(measure_cpu(), workers_per_node)
+def local_cpu(workers_per_node: int = 1, compile: bool = False) -> Device:
+    """This machine's CPU as `workers_per_node` gloo workers (see `plan.hardware.cpu_device`);
+    `compile`: a run with train.compile, whose workers' extra memory is measured too."""
+    return cpu_device(measure_cpu(compile=compile), workers_per_node)
 
 
 # Part of the cache key: a change in what the probe measures (2: the worker's baseline measured
@@ -77,18 +78,28 @@ def _environment() -> str:
     return f"{sys.prefix}|{','.join(packages)}"
 
 
-def measure_cpu(refresh: bool = False) -> dict:
-    """Measured once per machine and Python environment, then read from ~/.cache/llmsplit."""
+def measure_cpu(refresh: bool = False, compile: bool = False) -> dict:
+    """Measured once per machine and Python environment, then read from ~/.cache/llmsplit.
+    `compile`: with `compile_extra_bytes` too (what torch.compile adds to a worker), measured
+    at the first run that compiles: it takes a compile (seconds), which other runs never pay."""
     path = cache_dir() / f"cpu-{_machine_key()}.json"
+    m = None
     if not refresh and path.is_file():
         try:
-            return json.loads(path.read_text())
+            m = json.loads(path.read_text())
         except (OSError, ValueError):
             pass  # a torn or foreign file: measure again
-    m = {"cores": os.cpu_count() or 1, "mem_total_bytes": _mem_total(),
-         "matmul_flops_per_core": {"fp32": _matmul_rate("fp32"), "bf16": _matmul_rate("bf16")},
-         "copy_bytes_per_s": _copy_rate(), "loopback_bytes_per_s": _loopback_rate(),
-         "baseline_process_bytes": _baseline_process_bytes(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if m is None:
+        m = {"cores": os.cpu_count() or 1, "mem_total_bytes": _mem_total(),
+             "matmul_flops_per_core": {"fp32": _matmul_rate("fp32"), "bf16": _matmul_rate("bf16")},
+             "copy_bytes_per_s": _copy_rate(), "loopback_bytes_per_s": _loopback_rate(),
+             # 400 MiB: typical for torch 2.x where the probe cannot run
+             "baseline_process_bytes": _baseline_process_bytes() or 400 * 2**20, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    elif not compile or "compile_extra_bytes" in m:
+        return m
+    if compile:
+        compiled = _baseline_process_bytes(compile=True)  # None: no compile here (the run will say why)
+        m["compile_extra_bytes"] = max(0, compiled - m["baseline_process_bytes"]) if compiled else 0
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -181,7 +192,8 @@ if pid:
     os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+layer = torch.nn.Linear(64, 64)
+m = torch.nn.parallel.DistributedDataParallel(torch.compile(layer) if os.environ.get("PROBE_COMPILE") else layer)
 opt = torch.optim.AdamW(m.parameters())
 x = torch.randn(8, 64)
 for _ in range(2):
@@ -194,12 +206,15 @@ dist.destroy_process_group()
 """
 
 
-def _baseline_process_bytes() -> int:
+def _baseline_process_bytes(compile: bool = False) -> int | None:
     """Peak resident size of a worker that loaded torch, joined a gloo group and ran a
-    tiny DDP step: what every CPU worker pays before its first tensor."""
+    tiny DDP step: what every CPU worker pays before its first tensor. `compile`: its layer
+    compiled (train.compile compiles each block): Dynamo's and Inductor's modules, the
+    compile's own working memory and the compiled code (~100 MiB a worker here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PROBE_COMPILE": "1"} if compile else {})}
     try:
         out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             timeout=600 if compile else 120, env=env)
         return int(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-        return 400 * 1024 * 1024  # typical for torch 2.x when the probe cannot run
+        return None  # the probe could not run

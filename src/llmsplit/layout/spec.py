@@ -99,7 +99,7 @@ class Workload:
     # infer: "int8" | "int4" weights kept packed (llmsplit.quant), as loaded: a GGUF file's own
     # int4 blocks count as "int4" (their groups are cut alike: rules.packed_split_problem).
     quantize: str = "none"
-    compile: bool = False  # infer: decode steps run compiled (--compile)
+    compile: bool = False  # infer: decode steps run compiled (--compile); train: train.compile
     # train: the sequences each sample of the batch is (a DPO pair: chosen and rejected, 2);
     # global_batch and micro_batch count samples, activations and tokens count sequences.
     rows_per_sample: int = 1

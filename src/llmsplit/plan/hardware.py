@@ -37,6 +37,7 @@ class Device:
     kind: str = "gpu"
     measured: dict | None = None
     node_size: int = 8           # devices a full node of this kind has (gpus_per_node may be fewer)
+    compile_bytes: int = 0       # CPU: what torch.compile adds to a worker (train.compile), where measured
 
     def flops(self, precision: str) -> float:
         return self.peak_flops[precision]
@@ -124,7 +125,7 @@ def cpu_device(measured: dict, workers_per_node: int = 1) -> Device:
                     "fp16": per_core["bf16"] * threads},
         mem_bw=m["copy_bytes_per_s"], intra_bw=m["loopback_bytes_per_s"], inter_bw=m["loopback_bytes_per_s"],
         host_bw=m["copy_bytes_per_s"], gpus_per_node=workers, host_memory_bytes=m["mem_total_bytes"],
-        runtime_bytes=m["baseline_process_bytes"],
+        runtime_bytes=m["baseline_process_bytes"], compile_bytes=m.get("compile_extra_bytes", 0),
         # The measured matmul rate is already what is achieved, not a datasheet peak.
         # Allocator behaviour on a CPU is not a fraction of the tensors: memory.py counts
         # the heap it keeps (cpu_retained_heap_bytes).

@@ -292,7 +292,8 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     comm = _comm_buffers(cfg, layout, work, sp_, c)
     tensors = sum(states.values()) + activations + comm["total"]
     heap = cpu_retained_heap_bytes(cfg, b, s, layout, pattern, layers, fused) if device.kind == "cpu" else 0
-    overhead = int(device.runtime_bytes + device.alloc_slack * tensors + heap)
+    compiled = device.compile_bytes if work.compile else 0  # measured where known (diagnose/probe.py)
+    overhead = int(device.runtime_bytes + compiled + device.alloc_slack * tensors + heap)
     detail = {"n_params": n_params, "pattern": pattern, "in_flight_microbatches": held,
               "per_layer_activation": per_layer, "saved_activations": int(saved),
               "autocast_weight_copies": autocast_weights, "loss_peak": head["loss_peak"],
