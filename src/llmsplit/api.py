@@ -85,10 +85,13 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
 
         options["tokenizer_vocab"] = load_tokenizer(load_config(model).data.tokenizer).vocab_size
     if isinstance(gpu, str) and gpu.lower() == "cpu" and "cpu_measured" not in options:
-        # The planner is pure; this machine's CPU is measured here (once, then cached).
+        # The planner is pure; this machine's CPU is measured here (once, then cached), with
+        # what compiling adds to a worker where the config compiles (train.compile).
+        from .config import load_config
         from .diagnose.probe import measure_cpu
 
-        options["cpu_measured"] = measure_cpu()
+        compiles = str(model).endswith(".toml") and load_config(model).train.compile
+        options["cpu_measured"] = measure_cpu(compile=compiles)
     if emit_config:
         return _emit(model, gpus, gpu, emit_config, **options)[1]
     return plan_report(model, gpus, gpu, **options)

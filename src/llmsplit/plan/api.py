@@ -190,9 +190,9 @@ def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device
             raise ConfigError(f"{flag} {value} must be at least 1")
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    lora = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base}
-            if source and mode == "train" else {})
-    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **lora)
+    trains = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base,
+               "compile": source.train.compile} if source and mode == "train" else {})
+    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **trains)
 
 
 def _quantize(mode: str, run_mode: str) -> str:

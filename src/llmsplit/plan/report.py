@@ -26,7 +26,8 @@ LEGEND = {
     ),
 }
 LEGEND_END = (
-    ("overhead", "the CUDA context and NCCL (1 GiB) and 5% allocator slack (on cpu: a worker's baseline and heap)"),
+    ("overhead", "the CUDA context and NCCL (1 GiB) and 5% allocator slack (on cpu: a worker's baseline and heap, "
+                 "and with train.compile what compiling adds to it)"),
     ("total", "their sum, within the memory of one device"),
 )
 HOST = {"train": "the machine's memory: offload=cpu moves params, grads and optim there (their columns read 0); "
