@@ -169,6 +169,39 @@ def test_layouts_equal_one_process_and_the_engine_holds_the_trained_weights(tmp_
             assert torch.equal(engine[name + "_scaled"], b * 2.0), name
 
 
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_a_qlora_base_under_zero3_equals_one_process_and_the_engine_holds_the_trained_base(tmp_path, base):
+    """GRPO over a quantized base (QLoRA): ZeRO-3 over 2 workers logs one process's rewards,
+    losses and gradient norms, and each rank's engine holds the base exactly as training
+    computes with it (dequantized shard by shard, to the bit) with the adapters on top."""
+    from llmsplit.adapters.qlora import dequantize, quantize_weight
+    from llmsplit.config import model_config
+    from llmsplit.io.run_dir import read_run_config
+    from llmsplit.io.tokenizer import load_tokenizer
+    from llmsplit.models.llama import Transformer
+
+    qlora = ("lora.rank=4", "lora.alpha=8", f"lora.base={base}", "model.dim=256", "model.ffn_dim=512")  # NF4's blocks
+    one, zero3 = tmp_path / "q_one", tmp_path / "q_zero3"
+    train(one, *grpo_sets(tmp_path, 2, *qlora))
+    train(zero3, *grpo_sets(tmp_path, 2, *qlora, "parallel.zero=3"), nproc=2,
+          env={"LLMSPLIT_DUMP_ENGINE": str(tmp_path / "q-engine")})
+    for a, b in zip(records(zero3), records(one), strict=True):
+        assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) <= 1e-6
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    cfg = read_run_config(one)
+    init = Transformer(model_config(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size))
+    init.init_weights(cfg.train.seed)  # the base training drew from its seed, then quantized
+    engine = torch.load(tmp_path / "q-engine" / "engine-step1.pt", weights_only=True)
+    quantized = 0
+    for name, w in init.state_dict().items():
+        if name not in engine:
+            continue  # rope tables the engine builds for its own context
+        if name.startswith("layers.") and w.dim() == 2:  # the linear layers' weights: quantized in training
+            w, quantized = dequantize(quantize_weight(w, base)), quantized + 1
+        assert torch.equal(engine[name], w), name
+    assert quantized == 2 * 7 and any(name.endswith("lora_b_scaled") for name in engine)
+
+
 def read_adapters_of(run_dir: Path) -> dict:
     from llmsplit.io import dcp_files
     from llmsplit.io.run_dir import read_run_config, resolve_checkpoint

@@ -119,9 +119,6 @@ def _check_grpo_run(cfg) -> None:
     for key, value in (("parallel.pp", par.pp), ("parallel.cp", par.cp)):
         if value > 1:
             raise ConfigError(f"train.objective=\"grpo\" with {key}={value} is not built yet (issue 47); set {key}=1")
-    if cfg.lora.base != "none":
-        raise ConfigError(f"train.objective=\"grpo\" with lora.base={cfg.lora.base!r} (QLoRA) is not built yet "
-                          f"(issue 47); set lora.base=\"none\"")
     for key in ("data.source", "data.eval_source"):
         source = getattr(cfg.data, key.split(".")[1])
         if source and not (source.endswith(".jsonl") or source.startswith("text:")):

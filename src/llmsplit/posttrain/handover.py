@@ -6,7 +6,8 @@ parallel, LoRA); the engine of every rank holds the whole model in one process (
 generates its share of the step's completions). So each parameter is gathered whole
 (`full_tensor`: an all-gather under FSDP or tensor parallel, nothing under DDP) one at a time,
 in the same order on every rank, and copied into the engine's weights in place. With LoRA only
-the adapters move: the frozen base reaches the engine once, when it is built.
+the adapters move: the frozen base reaches the engine once, when it is built (a QLoRA base
+dequantized as training computes with it: the engine holds it in fp32).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..adapters.lora import is_adapter
+from ..adapters.qlora import dequantize, is_quantized
 from ..infer.api import InferConfig, LoadedModel, load
 from ..models.llama import plain_name
 from ..parallel.parallel_model import full_tensor
@@ -45,12 +48,27 @@ def gather_weights(model: torch.nn.Module, adapters: bool) -> dict[str, torch.Te
     state = {}
     for name, p in model.named_parameters():
         if is_adapter(name) == adapters:
-            state[plain_name(name)] = full_tensor(p.detach()).float()
+            state[plain_name(name)] = _whole_float(p.detach())
     if not adapters:
         for name, b in model.named_buffers():
             if not name.endswith(("rope_cos", "rope_sin")):  # tables the engine builds for its own context
                 state[plain_name(name)] = full_tensor(b).float()
     return state
+
+
+def _whole_float(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s whole value in fp32. A QLoRA base (NF4 or int8) is dequantized as the training
+    forward computes with it, to the bit (the engine's own conversion of an NF4Tensor rounded
+    differently: 7.6e-7 off, measured), shard by shard before a DTensor's gather (torchao's int8
+    weight has no all-gather; both dequantize block by block or row by row, so a shard's values
+    are the whole tensor's)."""
+    if not is_quantized(p):
+        return full_tensor(p).float()
+    local = getattr(p, "_local_tensor", None)
+    if local is None:
+        return dequantize(p)
+    return DTensor.from_local(dequantize(local), p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride()).full_tensor()
 
 
 class PolicyEngine:
