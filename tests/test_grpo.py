@@ -202,6 +202,40 @@ def test_a_qlora_base_under_zero3_equals_one_process_and_the_engine_holds_the_tr
     assert quantized == 2 * 7 and any(name.endswith("lora_b_scaled") for name in engine)
 
 
+def test_pipeline_stages_equal_one_process_and_every_engine_holds_the_whole_model(tmp_path):
+    """GRPO with the model in 2 pipeline stages: the same completions, loss and gradient norm as
+    one process at every step, and rank 0's engine (stage 0's) holds every stage's layers, equal
+    to the checkpoint's bit for bit (each stage's weights broadcast to the other)."""
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    kl = "grpo.beta=0.04"  # the reference too: a frozen copy in every rank's engine, every stage's layers
+    train(one, *grpo_sets(tmp_path, 3, "train.eval_every=3", kl))
+    train(pp, *grpo_sets(tmp_path, 3, "train.eval_every=3", kl, "parallel.pp=2"), nproc=2,
+          env={"LLMSPLIT_DUMP_ENGINE": str(tmp_path / "pp-engine")})
+    for a, b in zip(records(pp), records(one), strict=True):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9)
+    assert records(pp)[-1]["eval_reward"] == pytest.approx(records(one)[-1]["eval_reward"], abs=1e-9)
+    engine = torch.load(tmp_path / "pp-engine" / "engine-step3.pt", weights_only=True)
+    trained = RunWeights(pp)
+    assert {n.split(".")[1] for n in trained.names() if n.startswith("layers.")} == {"0", "1"}
+    for name in trained.names():
+        assert torch.equal(engine[name], trained.read(name)), name
+    lora = ("lora.rank=4", "lora.alpha=8")  # under LoRA only the adapters move, every stage's
+    train(tmp_path / "pp_lora", *grpo_sets(tmp_path, 2, "train.eval_every=2", "parallel.pp=2", *lora), nproc=2,
+          env={"LLMSPLIT_DUMP_ENGINE": str(tmp_path / "pp-lora-engine")})
+    train(tmp_path / "lora_one", *grpo_sets(tmp_path, 2, "train.eval_every=2", *lora))
+    for a, b in zip(records(tmp_path / "pp_lora"), records(tmp_path / "lora_one"), strict=True):
+        assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) <= 1e-6
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    engine = torch.load(tmp_path / "pp-lora-engine" / "engine-step2.pt", weights_only=True)
+    adapters = read_adapters_of(tmp_path / "pp_lora")
+    assert {n.split(".")[1] for n in adapters} == {"0", "1"}
+    for name, t in adapters.items():
+        want = (engine[name + "_scaled"], t * 2.0) if name.endswith("lora_b") else (engine[name], t)
+        assert torch.equal(*want), name
+
+
 def read_adapters_of(run_dir: Path) -> dict:
     from llmsplit.io import dcp_files
     from llmsplit.io.run_dir import read_run_config, resolve_checkpoint

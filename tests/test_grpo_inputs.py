@@ -60,7 +60,6 @@ def test_list_keys_from_toml_and_set_round_trip():
     (["grpo.temperature=0"], "grpo.temperature=0.0 must be greater than 0"),
     (["grpo.top_p=0"], "grpo.top_p=0.0 must be above 0 and at most 1"),
     (["grpo.top_p=1.5"], "grpo.top_p=1.5 must be above 0 and at most 1"),
-    (["parallel.pp=2", "train.micro_batch=4"], "parallel.pp=2 is not built yet (issue 47); set parallel.pp=1"),
     (["parallel.cp=2", "data.seq_len=64"], "parallel.cp=2 is not built yet (issue 47); set parallel.cp=1"),
     (["data.source=builtin"], "data.source='builtin' is not a .jsonl file; train.objective=\"grpo\" reads"),
     (["data.eval_source=held.bin"], "data.eval_source='held.bin' is not a .jsonl file"),

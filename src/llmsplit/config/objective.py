@@ -116,9 +116,9 @@ def _check_grpo_run(cfg) -> None:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not divisible by grpo.num_generations="
                           f"{grpo.num_generations} (the batch counts completions, num_generations per prompt); "
                           f"set train.global_batch to a multiple of {grpo.num_generations}")
-    for key, value in (("parallel.pp", par.pp), ("parallel.cp", par.cp)):
-        if value > 1:
-            raise ConfigError(f"train.objective=\"grpo\" with {key}={value} is not built yet (issue 47); set {key}=1")
+    if par.cp > 1:
+        raise ConfigError(f"train.objective=\"grpo\" with parallel.cp={par.cp} is not built yet (issue 47); "
+                          f"set parallel.cp=1")
     for key in ("data.source", "data.eval_source"):
         source = getattr(cfg.data, key.split(".")[1])
         if source and not (source.endswith(".jsonl") or source.startswith("text:")):

@@ -37,10 +37,11 @@ class GRPOTrainer(Trainer):
         tokenizer = self.tokenizer
         eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
         lora_scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else None
+        stages = self.mesh.group("pp") if cfg.parallel.pp > 1 else None  # each rank holds one stage's layers
         self.policy = PolicyEngine(self.pm.model, self.model_cfg, tokenizer, eos, lora_scale, config,
-                                   reference=g.beta > 0)
+                                   reference=g.beta > 0, stages=stages)
         self.rollouts = Rollouts(self.policy, prompts, self.sampler, self.rewards, g, cfg.train.seed,
-                                 self.row_width_multiple(), tokenizer.eos_id or 0)
+                                 (self.row_width_multiple(), cfg.data.seq_len), tokenizer.eos_id or 0)
         self.figures: dict = {}
         self.refreshed = True  # the engine holds the weights of the step training starts from
         self.trained_step = self.start_step

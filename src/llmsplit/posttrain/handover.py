@@ -2,7 +2,7 @@
 file: the one function GRPO calls after each optimizer step (ARCHITECTURE.md).
 
 Training may split the model any way the layout allows (DDP, ZeRO-1/2/3, hybrid, tensor
-parallel, LoRA); the engine of every rank holds the whole model in one process (each rank
+parallel, pipeline stages, LoRA); the engine of every rank holds the whole model in one process (each rank
 generates its share of the step's completions). So each parameter is gathered whole
 (`full_tensor`: an all-gather under FSDP or tensor parallel, nothing under DDP) one at a time,
 in the same order on every rank, and copied into the engine's weights in place. With LoRA only
@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..adapters.lora import is_adapter
@@ -41,10 +42,16 @@ class TrainedWeights:
 
 
 @torch.no_grad()
-def gather_weights(model: torch.nn.Module, adapters: bool) -> dict[str, torch.Tensor]:
+def gather_weights(model: torch.nn.Module, adapters: bool, stages=None) -> dict[str, torch.Tensor]:
     """The training model's parameters whole, by plain name, on this rank's device: the LoRA
     adapters (`adapters`) or every other parameter and buffer. A collective under FSDP and
-    tensor parallel: every rank calls it, and walks the parameters in the same order."""
+    tensor parallel: every rank calls it, and walks the parameters in the same order; under
+    pipeline parallel (`stages`: the pipeline's process group) every stage's too."""
+    state = _this_stage(model, adapters)
+    return _across_stages(state, stages) if stages is not None and dist.get_world_size(stages) > 1 else state
+
+
+def _this_stage(model: torch.nn.Module, adapters: bool) -> dict[str, torch.Tensor]:
     state = {}
     for name, p in model.named_parameters():
         if is_adapter(name) == adapters:
@@ -54,6 +61,24 @@ def gather_weights(model: torch.nn.Module, adapters: bool) -> dict[str, torch.Te
             if not name.endswith(("rope_cos", "rope_sin")):  # tables the engine builds for its own context
                 state[plain_name(name)] = full_tensor(b).float()
     return state
+
+
+def _across_stages(state: dict[str, torch.Tensor], stages) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's tensors on every rank of `stages`: the names and shapes first
+    (small objects), then each tensor broadcast from the first stage holding it, in one order
+    on every rank (a weight two stages hold, a tied embedding and head, comes from the first)."""
+    held = [None] * dist.get_world_size(stages)
+    dist.all_gather_object(held, {name: (tuple(t.shape), t.dtype) for name, t in state.items()}, group=stages)
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    me, whole = dist.get_rank(stages), {}
+    for stage, names in enumerate(held):
+        for name, (shape, dtype) in names.items():
+            if name in whole:
+                continue
+            t = state[name] if stage == me else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=dist.get_global_rank(stages, stage), group=stages)
+            whole[name] = t
+    return whole
 
 
 def _whole_float(p: torch.Tensor) -> torch.Tensor:
@@ -75,12 +100,13 @@ class PolicyEngine:
     """The engine of one rank, holding the policy as training last left it."""
 
     def __init__(self, model: torch.nn.Module, model_cfg, tokenizer, eos_ids: set[int], lora_scale: float | None,
-                 config: InferConfig, reference: bool):
+                 config: InferConfig, reference: bool, stages=None):
         """`reference`: keep the policy as it is now as the reference of the KL term; under LoRA
-        that is the base the engine holds anyway, else a second, frozen engine model."""
-        self.model, self.lora_scale = model, lora_scale
+        that is the base the engine holds anyway, else a second, frozen engine model. `stages`:
+        the pipeline's process group (pp > 1), whose stages' layers the engine gathers too."""
+        self.model, self.lora_scale, self.stages = model, lora_scale, stages
         # Copies: under DDP the gathered tensors are the training parameters themselves.
-        base = {name: t.clone() for name, t in gather_weights(model, adapters=False).items()}
+        base = {name: t.clone() for name, t in gather_weights(model, adapters=False, stages=stages).items()}
         source = TrainedWeights(model_cfg, tokenizer, eos_ids, base)
         self.loaded: LoadedModel = load(None, config, source=source)
         self.reference: LoadedModel | None = None
@@ -90,15 +116,16 @@ class PolicyEngine:
         del base, source
         self.adapter = 0  # the served adapter sequences run with: 1 (the policy's) under LoRA
         if lora_scale is not None:
-            self.loaded.runner.serve_adapters(["policy"], [gather_weights(model, adapters=True)], [lora_scale])
+            self.loaded.runner.serve_adapters(["policy"], [gather_weights(model, adapters=True, stages=stages)],
+                                              [lora_scale])
             self.adapter = 1
 
     def refresh(self) -> None:
         """After an optimizer step: the trained weights into the engine (a collective)."""
         if self.lora_scale is not None:
-            self.loaded.runner.replace_weights({}, gather_weights(self.model, adapters=True), self.lora_scale)
+            self.loaded.runner.replace_weights({}, gather_weights(self.model, True, self.stages), self.lora_scale)
         else:
-            self.loaded.runner.replace_weights(gather_weights(self.model, adapters=False))
+            self.loaded.runner.replace_weights(gather_weights(self.model, False, self.stages))
 
     def reference_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference's logits [b, s, vocab]: under LoRA the engine's own base (the adapters

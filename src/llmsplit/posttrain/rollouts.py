@@ -63,12 +63,15 @@ def reference_logps(policy, prompt: list[int], completion: list[int]) -> list[fl
     return torch.log_softmax(logits, -1).gather(-1, full[0, len(prompt):, None].to(logits.device))[:, 0].tolist()
 
 
-def make_rows(made: list[dict], prompts, prompt_ids: list[int], group: int, rows: range, width_multiple: int,
-              pad_id: int) -> tuple[Batch, torch.Tensor | None]:
+def make_rows(made: list[dict], prompts, prompt_ids: list[int], group: int, rows: range,
+              width: tuple[int | None, int], pad_id: int) -> tuple[Batch, torch.Tensor | None]:
     """(this rank's rows `rows`, every row's reference log-probs [n, width] or None): each row
-    is prompt + completion, targets IGNORE over the prompt, the row's index after them."""
+    is prompt + completion, targets IGNORE over the prompt, the row's index after them. `width`:
+    (multiple, seq_len): rows cut to the longest rounded up to the multiple, or, where it is None
+    (pipeline stages, whose schedule keeps the first step's shapes), seq_len wide."""
+    multiple, seq_len = width
     lengths = [len(prompts.ids[prompt_ids[m["row"] // group]]) + len(m["tokens"]) - 1 for m in made]
-    width = math.ceil(max(lengths) / width_multiple) * width_multiple
+    width = seq_len if multiple is None else math.ceil(max(lengths) / multiple) * multiple
     inputs = np.full((len(rows), width), pad_id, dtype=np.int64)
     targets = np.full((len(rows), width + 1), IGNORE, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -109,10 +112,12 @@ def _nanstd(values: torch.Tensor) -> float:
 class Rollouts:
     """The rows of each GRPO step, made by every rank's engine (a collective per step)."""
 
-    def __init__(self, policy, prompts, sampler, rewards, grpo, seed: int, width_multiple: int, pad_id: int):
+    def __init__(self, policy, prompts, sampler, rewards, grpo, seed: int, width: tuple[int | None, int],
+                 pad_id: int):
+        """`width`: (multiple, seq_len) of the rows (`make_rows`)."""
         self.policy, self.prompts, self.sampler, self.rewards = policy, prompts, sampler, rewards
         self.group, self.grpo, self.seed = grpo.num_generations, grpo, seed
-        self.width_multiple, self.pad_id = width_multiple, pad_id
+        self.width, self.pad_id = width, pad_id
         self.params = {"max_new_tokens": grpo.max_completion_tokens, "temperature": grpo.temperature,
                        "top_p": grpo.top_p if grpo.top_p < 1 else None}
         self.reference = grpo.beta > 0
@@ -131,7 +136,7 @@ class Rollouts:
         rewards = torch.tensor([m["reward"] for m in made], dtype=torch.float32)
         per_rank = n // dp_size
         rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        batch, ref = make_rows(made, self.prompts, prompt_ids, self.group, rows, self.width_multiple, self.pad_id)
+        batch, ref = make_rows(made, self.prompts, prompt_ids, self.group, rows, self.width, self.pad_id)
         figures = rollout_figures(made, [r.name for r in self.rewards], self.group, seconds)
         return batch, group_advantages(rewards, self.group), ref, figures
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..data.loader import IGNORE
 from ..data.preference import NO_PAIR
 from .evaluate import forward_passes
-from .objectives import token_logps
+from .objectives import last_calls_only, token_logps
 
 # The per-pair figures summed over a step (then divided by its pairs), under TRL's names.
 FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
@@ -77,15 +77,8 @@ class PreferenceObjective:
             self.pending.append((figures * real[:, None]).sum(0))
         return (losses * real).sum() / denominator
 
-    @contextmanager
     def pipeline_calls(self, n_microbatches: int):
-        """Around one pipeline step: of the loss calls it makes, only the last `n_microbatches`
-        are the micro-batches'. torch's schedule calls the loss once more, on a dummy forward
-        pass, when it first prepares its backward (again after a forward-only evaluation), and
-        that call's figures are dropped."""
-        start = len(self.pending)
-        yield
-        self.pending[start:] = self.pending[start:][-n_microbatches:]
+        return last_calls_only(self.pending, n_microbatches)
 
     def prepare(self, trainer, resumed_state: dict | None) -> None:
         """The reference log-probs: from the checkpoint resumed, else computed now (a

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..data.loader import IGNORE
-from .objectives import NextTokenObjective, token_logps
+from .objectives import NextTokenObjective, last_calls_only, token_logps
 
 GRPO_FIGURES = ("kl", "clip_ratio")  # token means over the step, as TRL logs them
 
@@ -82,6 +82,9 @@ class GroupRelativeObjective(NextTokenObjective):
         if self.kind == "dr_grpo":
             return (losses * mask).sum() / denominator
         return ((losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / denominator
+
+    def pipeline_calls(self, n_microbatches: int):
+        return last_calls_only(self.pending, n_microbatches)
 
     def step_record(self, pm) -> dict:
         """KL and clip ratio as token means over the step, on every rank (a collective)."""

@@ -9,7 +9,7 @@ train/grpo.py (its rows come from posttrain/, which generates them with the engi
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,17 @@ def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if hasattr(per_token, "to_local"):
         per_token = per_token.to_local()
     return -per_token.view(tokens.shape)
+
+
+@contextmanager
+def last_calls_only(pending: list, n_microbatches: int):
+    """Around one pipeline step of an objective that keeps figures per loss call in `pending`:
+    of the loss calls the step makes, only the last `n_microbatches` are the micro-batches'.
+    torch's schedule calls the loss once more, on a dummy forward pass, when it first prepares
+    its backward (again after a forward-only evaluation), and that call's figures are dropped."""
+    start = len(pending)
+    yield
+    pending[start:] = pending[start:][-n_microbatches:]
 
 
 class NextTokenObjective:
