@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmsplit import native
+
 BIN = Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36/build/bin"
 AMX = ("amx_tile", "amx_int8", "amx_bf16")
 NEW, PROMPT, SEQS = 128, 512, 16
@@ -66,26 +68,20 @@ print(json.dumps(out))
 """
 
 
-def _cpu_flags() -> list[str]:
-    from llmsplit import native
-
-    line = native._cpu_flags()
-    return line.split(":", 1)[1].split() if ":" in line else []
-
-
 def repack_flags(tool: str) -> list[str]:
     """llama.cpp as its users run it (repacking on) unless the CPU has AMX (see the docstring).
     llama-bench spells the switch `--repack 0`, the other tools `--no-repack`."""
-    if not any(f in _cpu_flags() for f in AMX):
+    if not native.cpu_flags() & set(AMX):
         return []
     return ["--repack", "0"] if tool == "llama-bench" else ["--no-repack"]
 
 
 def llama_cpp_setting() -> str:
     """The line each table prints beside llama.cpp's numbers: its repacking and why."""
-    flags = _cpu_flags()
-    simd = " ".join(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")) or "no AVX flags"
-    if any(f in flags for f in AMX):
+    flags = native.cpu_flags()
+    simd = " ".join(sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")))
+    simd = simd or "no AVX flags"
+    if flags & set(AMX):
         return f"llama.cpp with repacking off (`--no-repack`): its AMX repack segfaults on this CPU ({simd})"
     return f"llama.cpp at its defaults, weights repacked (this CPU has no AMX: {simd})"
 

@@ -17,15 +17,10 @@ from llmsplit.quant import kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cpu_flags() -> set[str]:
-    line = native._cpu_flags()
-    return set(line.split(":", 1)[1].split()) if ":" in line else set()
-
-
 def test_every_kernel_builds_where_the_cpu_has_its_instructions():
     if os.environ.get("LLMSPLIT_NATIVE") == "0" or os.environ.get(native.GENERIC) == "1":
         pytest.skip("native kernels switched off or built generic by the environment")
-    flags = _cpu_flags()
+    flags = native.cpu_flags()
     assert paged_attention.available(), "paged_attention.cpp did not build: install a C++ compiler (g++)"
     if "avx512f" in flags:
         assert paged_attention.prefill_available(), "the CPU has AVX-512F but the prefill kernel is not registered"

@@ -57,6 +57,13 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo names them ("avx512f", "amx_int8", ...);
+    empty where it cannot be read."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
 def _torch_flags() -> list[str]:
     """Compiling and linking against the torch this process imported (C++ only)."""
     root = Path(torch.__file__).parent
