@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import Config
+from .config import Config, load_config
 from .launch.elastic import node_range
 from .train.api import TrainJob, TrainResult, TrainingFailed, Workers, check_job, prepare_job, run_job
 
@@ -78,20 +78,18 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
     """
     from .plan.api import emit_config as _emit, plan_report
 
-    if str(model).endswith(".toml") and "tokenizer_vocab" not in options:
+    source = load_config(model) if str(model).endswith(".toml") else None
+    if source is not None and "tokenizer_vocab" not in options:
         # The embedding grows to cover the config's tokenizer, as in training.
-        from .config import load_config
         from .io.tokenizer import load_tokenizer
 
-        options["tokenizer_vocab"] = load_tokenizer(load_config(model).data.tokenizer).vocab_size
+        options["tokenizer_vocab"] = load_tokenizer(source.data.tokenizer).vocab_size
     if isinstance(gpu, str) and gpu.lower() == "cpu" and "cpu_measured" not in options:
         # The planner is pure; this machine's CPU is measured here (once, then cached), with
         # what compiling adds to a worker where the config compiles (train.compile).
-        from .config import load_config
         from .diagnose.probe import measure_cpu
 
-        compiles = str(model).endswith(".toml") and load_config(model).train.compile
-        options["cpu_measured"] = measure_cpu(compile=compiles)
+        options["cpu_measured"] = measure_cpu(compile=source is not None and source.train.compile)
     if emit_config:
         return _emit(model, gpus, gpu, emit_config, **options)[1]
     return plan_report(model, gpus, gpu, **options)

@@ -78,25 +78,29 @@ def _environment() -> str:
     return f"{sys.prefix}|{','.join(packages)}"
 
 
+def _cached(path: Path) -> dict | None:
+    """The measurements cached at `path`; None where there are none, or a torn or foreign file."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def measure_cpu(refresh: bool = False, compile: bool = False) -> dict:
     """Measured once per machine and Python environment, then read from ~/.cache/llmsplit.
     `compile`: with `compile_extra_bytes` too (what torch.compile adds to a worker), measured
     at the first run that compiles: it takes a compile (seconds), which other runs never pay."""
     path = cache_dir() / f"cpu-{_machine_key()}.json"
-    m = None
-    if not refresh and path.is_file():
-        try:
-            m = json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass  # a torn or foreign file: measure again
+    m = None if refresh else _cached(path)
+    if m is not None and (not compile or "compile_extra_bytes" in m):
+        return m
     if m is None:
         m = {"cores": os.cpu_count() or 1, "mem_total_bytes": _mem_total(),
              "matmul_flops_per_core": {"fp32": _matmul_rate("fp32"), "bf16": _matmul_rate("bf16")},
              "copy_bytes_per_s": _copy_rate(), "loopback_bytes_per_s": _loopback_rate(),
              # 400 MiB: typical for torch 2.x where the probe cannot run
-             "baseline_process_bytes": _baseline_process_bytes() or 400 * 2**20, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    elif not compile or "compile_extra_bytes" in m:
-        return m
+             "baseline_process_bytes": _baseline_process_bytes() or 400 * 2**20,
+             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     if compile:
         compiled = _baseline_process_bytes(compile=True)  # None: no compile here (the run will say why)
         m["compile_extra_bytes"] = max(0, compiled - m["baseline_process_bytes"]) if compiled else 0
