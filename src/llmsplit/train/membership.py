@@ -64,8 +64,9 @@ def record_membership(run_dir: Path, resumed_from_step: int, rank0: bool) -> Non
     restarted = _restart_count() > 0
     if not restarted and int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
-    nodes = _job_nodes or [None] * dist.get_world_size()
-    if _job_nodes is None:  # check_same_config gathered them where the job spans machines
+    nodes = _job_nodes  # check_same_config gathered them where the job spans machines
+    if nodes is None:
+        nodes = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, (int(os.environ.get("GROUP_RANK", "0")), _node_address()))
     if not rank0:
         return
