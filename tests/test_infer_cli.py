@@ -42,7 +42,7 @@ def test_cli_prints_what_the_api_generates(folder, tmp_path):
     (["--model", "{folder}", ""], "the prompt is empty"),
     (["--model", "{folder}", "hi", "--speculative-tokens", "0", "--speculative", "ngram"],
      "--speculative-tokens 0 must be in [1, 16]"),
-    (["--model", "{folder}", "hi", "--speculative", "path/to/draft"], "--speculative 'path/to/draft' is not a method"),
+    (["--model", "{folder}", "hi", "--speculative", "path/to/draft"], "--speculative 'path/to/draft' does not exist"),
 ])
 def test_bad_input_is_one_sentence(folder, tmp_path, capsys, monkeypatch, args, message):
     # In-process: the console script's main(), without an interpreter start-up per case.

@@ -115,10 +115,11 @@ def test_cpu_plus_disk_under_a_small_budget(folder, reference, tmp_path):
 
 
 @pytest.mark.slow
-# tp x pp with speculative decoding: its proposals verified across the workers give the same tokens.
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2, "speculative": "ngram"}])
+# tp x pp with speculative decoding, a draft model (the model itself, whole in this process)
+# proposing: its proposals verified across the workers give the same tokens.
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2, "speculative": "draft"}])
 def test_worker_processes(folder, reference, layout):
-    m = llmsplit.load(folder, **layout)
+    m = llmsplit.load(folder, **{**layout, **({"speculative": str(folder)} if "speculative" in layout else {})})
     try:
         piece = m.engine.runner.runner.model
         if layout == {"tp": 2}:  # rank 0 holds rows 0..160 of the 321 (one shared tensor: the head is tied)

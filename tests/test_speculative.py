@@ -105,5 +105,47 @@ def test_bad_speculative_settings_name_the_flag():
         InferConfig(speculative="ngram", speculative_tokens=0)
     with pytest.raises(ConfigError, match=r"--speculative-tokens 1000000 must be in \[1, 16\]"):
         InferConfig(speculative="ngram", speculative_tokens=10**6)
-    with pytest.raises(ConfigError, match="--speculative 'draft/model' is not a method llmsplit has; use one of: ngram"):
-        InferConfig(speculative="draft/model")
+    with pytest.raises(ConfigError, match="--speculative is empty; pass ngram or a draft model's path"):
+        InferConfig(speculative=" ")
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory, models):
+    """The models' folder drafted for by another model with the same tokenizer (one layer,
+    other random weights: it disagrees often) and by itself (it always agrees)."""
+    root = tmp_path_factory.mktemp("drafts")
+    folder = make_hf_folder(root / "llama", num_hidden_layers=2)
+    other = make_hf_folder(root / "draft", num_hidden_layers=1, seed=1)
+    loads = [llmsplit.load(folder, max_batch=4, max_context=128, speculative=str(d), speculative_tokens=3)
+             for d in (other, folder)]
+    yield loads
+    for m in loads:
+        m.close()
+
+
+@pytest.mark.parametrize("params", CASES[:1] + CASES[-2:], ids=["greedy", "sampled", "sampled-top-k-p"])
+def test_a_draft_models_proposals_leave_the_output_unchanged(models, drafted, params):
+    plain, _ = models
+    want = generate(plain, PROMPTS, **params)
+    for m in drafted:
+        got = generate(m, PROMPTS, **params)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        draft_pool = m.engine.speculation.draft.engine.pool
+        assert draft_pool.free_blocks == draft_pool.num_blocks  # the draft's sequences ended and left nothing held
+    other, itself = (m.engine.speculation for m in drafted)
+    assert itself.accepted > 0 and other.proposed > 0
+    if not params:  # a draft that is the model proposes what it decodes greedily: all taken
+        assert itself.accepted == itself.proposed
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    from hf_models import train_tokenizer
+
+    folder = make_hf_folder(tmp_path / "llama", num_hidden_layers=1)
+    draft = make_hf_folder(tmp_path / "draft", num_hidden_layers=1)
+    train_tokenizer(vocab_size=300).save(str(draft / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"--speculative '.*draft' has another tokenizer \(.*300 tokens\) than the "
+                                          r"model \(.*320 tokens\); a draft model must share"):
+        llmsplit.load(folder, max_context=64, speculative=str(draft))
+    with pytest.raises(ConfigError, match="--speculative '.*nowhere' does not exist"):
+        llmsplit.load(folder, max_context=64, speculative=str(tmp_path / "nowhere"))

@@ -62,9 +62,10 @@ def add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None
                    help="keep the routed experts of the first N mixture-of-experts layers in CPU memory, attention "
                    "on the accelerator, as llama.cpp's --n-cpu-moe (default: experts stay with their layer)")
     # Checked by InferConfig (the engine's rules, named as these flags): importing them here would load torch.
-    p.add_argument("--speculative", metavar="ngram", help="speculative decoding: ngram proposes the tokens that "
-                   "followed the text's last words where they appeared before in the prompt or answer (prompt "
-                   "lookup), and the model checks them in one step; the output is what it would be without (default: "
-                   "off)")
+    p.add_argument("--speculative", metavar="ngram|PATH", help="speculative decoding: ngram proposes the tokens "
+                   "that followed the text's last words where they appeared before in the prompt or answer (prompt "
+                   "lookup); PATH, a smaller draft model with the same tokenizer, proposes its own greedy "
+                   "continuation; the model checks them in one step, and the output is what it would be without "
+                   "(default: off)")
     p.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
                    help="tokens proposed a step with --speculative, 1..16 (default %(default)s)")

@@ -15,9 +15,9 @@ import torch
 from ..errors import ConfigError
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..parallel.mesh import ParallelDims
-from .config import POOLING, InferConfig
+from .config import POOLING, SPECULATIVE, InferConfig
 from .engine import Engine, SamplingParams
-from .engine.speculative import Speculation
+from .engine.speculative import SPECULATE_UP_TO, DraftProposals, Speculation
 from .runner.kv_cache import kv_element_bytes
 from ..plan.placement import MODES, Placement, Sizes, place
 from .runner.budgets import detect_budgets
@@ -179,7 +179,7 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, config.block_size, config.max_batch, sizes.context,
                     config.prefix_caching, config.max_num_batched_tokens,
-                    one_decode_batch=config.compile or runner.decodes_in_place, speculation=_speculation(config))
+                    one_decode_batch=config.compile or runner.decodes_in_place, speculation=_speculation(config, source, sizes.context))
     if config.compile:
         _compile_decode_graphs(engine, config.max_batch)
     return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters],
@@ -206,10 +206,24 @@ def follow(path, config: InferConfig | None = None, *, announce=None, **fields) 
     follow_node(spec)
 
 
-def _speculation(config: InferConfig) -> Speculation | None:
+def _speculation(config: InferConfig, source, max_context: int) -> Speculation | None:
+    """What the engine speculates with: prompt lookup, or a draft model loaded here, whole in
+    this process (beside a model split over workers too), with a KV pool for the sequences
+    that speculate at once, and refused unless its tokenizer is the model's."""
     if config.speculative is None:
         return None
-    return Speculation(config.speculative, config.speculative_tokens)
+    if config.speculative in SPECULATIVE:
+        return Speculation(config.speculative, config.speculative_tokens)
+    path = str(config.speculative)
+    draft_source = open_weights(path, what="--speculative")
+    mine, theirs = source.tokenizer, draft_source.tokenizer
+    if mine.vocab_fingerprint != theirs.vocab_fingerprint:
+        raise ConfigError(f"--speculative {path!r} has another tokenizer ({theirs.name}, {theirs.vocab_size} tokens) "
+                          f"than the model ({mine.name}, {mine.vocab_size} tokens); a draft model must share the "
+                          f"model's tokenizer: pick a draft of the same family or distil one (train.teacher)")
+    draft = load(path, InferConfig(max_batch=SPECULATE_UP_TO, max_context=max_context, dtype=config.dtype,
+                                   kv_dtype=config.kv_dtype), source=draft_source)
+    return Speculation(f"draft {path}", config.speculative_tokens, draft=DraftProposals(draft))
 
 
 def _sized(source, config: InferConfig):

@@ -14,7 +14,8 @@ from ..launch import Nodes
 from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own packing
 
 KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
-SPECULATIVE = ("ngram",)  # --speculative: the proposers engine/speculative.py has
+# --speculative: the proposers engine/speculative.py has besides a draft model's path
+SPECULATIVE = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # --speculative-tokens: proposals a step may verify per sequence
 POOLING = ("last", "mean")  # --pooling: how an embedding pools a text's final hidden states
 # --tool-call-parser: how serve reads tool calls out of a reply (serve/tool_calls.py has one
@@ -40,8 +41,9 @@ class InferConfig:
     max_num_batched_tokens: tokens one step computes at most. tune_threads: pick the CPU thread
     count as it decodes. lora: {name: LoRA run or PEFT folder} served over the model.
     n_cpu_moe: keep the routed experts of the first N MoE layers in CPU memory.
-    speculative: "ngram" proposes speculative_tokens tokens a step by prompt lookup, verified
-    in one forward (engine/speculative.py; greedy output unchanged); None: off. pooling: "last"
+    speculative: "ngram" proposes speculative_tokens tokens a step by prompt lookup, a path
+    (anything `load` opens, with the same tokenizer) by that draft model's greedy continuation;
+    the model verifies them in one forward (engine/speculative.py; output unchanged); None: off. pooling: "last"
     or "mean", how embeddings (`LoadedModel.embed`) pool the final hidden states.
     tool_call_parser: how `serve` reads tool calls (tool_choice "auto") out of replies, one of
     TOOL_CALL_PARSERS ("auto": picked from the chat template)."""
@@ -115,9 +117,8 @@ class InferConfig:
                               f"--pp {self.pp} (each node runs as many); change --nnodes, --tp or --pp")
 
     def _check_speculative(self) -> None:
-        if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise ConfigError(f"--speculative {self.speculative!r} is not a method llmsplit has; use one of: "
-                              f"{', '.join(SPECULATIVE)} (a draft model is not supported yet)")
+        if self.speculative is not None and not str(self.speculative).strip():
+            raise ConfigError(f"--speculative is empty; pass {' or '.join(SPECULATIVE)} or a draft model's path")
         if self.pooling not in POOLING:
             raise ConfigError(f"--pooling {self.pooling!r} is not one of: {', '.join(POOLING)}")
         if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:

@@ -26,7 +26,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; 256 and 257 mark the start and end of a document."""
 
     name = "byte"
-    fingerprint = "byte"
+    fingerprint = vocab_fingerprint = "byte"
     chat_template = None  # no model-specific chat format: the server uses its plain default
     vocab_size = 258
     bos_id = 256
@@ -85,6 +85,14 @@ class HFTokenizer:
         """A hash of the vocabulary, merges and pipeline as `tokenizers` serializes them, so
         the same tokenizer read from two paths (or a copy) compares equal."""
         return "sha256:" + hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
+    @cached_property
+    def vocab_fingerprint(self) -> str:
+        """A hash of the token -> id map alone: two tokenizers that give the same token the
+        same id (one read from tokenizer.json, one built from a GGUF's metadata, whose pipelines
+        serialize differently) compare equal, as a draft model and the model it drafts for must."""
+        vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        return "sha256:" + hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
 
     def _first_id(self, names):
         for n in names:

@@ -9,7 +9,11 @@ Proposals come from prompt lookup (`ngram`, as vLLM's `method: "ngram"` and llam
 `--spec-type ngram-simple`): the last n tokens of the sequence (n from NGRAM_MAX down to
 NGRAM_MIN) are looked for earlier in its prompt and output, and the tokens that followed
 their latest occurrence are proposed. No second model; it pays off when the output quotes its
-input (editing code, answering from a document, summaries that quote).
+input (editing code, answering from a document, summaries that quote). Or from a draft model
+(`--speculative PATH`, as llama.cpp's `-md` and vLLM's draft models): a smaller model with the
+same tokenizer continues each context greedily for k tokens, run by an engine of its own over
+its own paged KV cache (`DraftProposals`); it pays off on open-ended text too, as far as the
+draft agrees with the model.
 
 Acceptance keeps the output exactly the model's own: each row samples its token as a decode
 step would (argmax, or a draw from the sequence's own generator, after its processors and
@@ -17,14 +21,19 @@ grammar), and the walk goes on while the token equals the proposal. A sampled ro
 proposal with probability p(proposal), as the rejection rule of Leviathan et al. 2023 / Chen
 et al. 2023 does for a proposal drawn from a point mass, and draws the same random numbers in
 the same order as decoding without speculation: a seeded request gives the same text with it
-or without it, whatever it is batched with. (A draft model's proposals, drawn from its own
-distribution, would need the rule's residual draw instead.)
+or without it, whatever it is batched with. A draft proposes its argmax, a point mass too, so
+the same rule holds for it. (Drawing the draft's tokens from its own distribution and taking
+them by the rule's ratio with a residual draw accepts more at high temperatures, but the
+random numbers then depend on the proposals: a seeded request would no longer repeat its
+text with and without speculation. Not done.)
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+
+from .sequence import SamplingParams
 
 NGRAM_MIN, NGRAM_MAX = 2, 4  # lengths of the suffix looked up, longest first
 # Speculation runs while at most this many sequences decode at once: with more, a step's
@@ -37,16 +46,19 @@ SPECULATE_UP_TO = 4
 class Speculation:
     """What the engine speculates with (InferConfig checks the values), and what it has done
     (for /metrics and --verbose)."""
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft <path>"
     tokens: int = 4  # proposals per sequence and step (k)
+    draft: DraftProposals | None = None  # with a draft model
     proposed: int = 0  # proposals verified since start
     accepted: int = 0  # of them, taken as the model's own
     verify_steps: int = 0  # sequence-steps that verified proposals
     emitted: int = 0  # tokens those steps produced (accepted + one from the model each)
 
-    def propose(self, context: list[int], room: int) -> list[int]:
-        """Up to min(k, room) tokens that may follow `context`."""
-        return ngram_proposal(context, min(self.tokens, room))
+    def propose(self, wants: list[tuple[list[int], int]]) -> list[list[int]]:
+        """For each (context, room): up to min(k, room) tokens that may follow the context."""
+        if self.draft is not None:
+            return self.draft.propose([(context, min(self.tokens, room)) for context, room in wants])
+        return [ngram_proposal(context, min(self.tokens, room)) for context, room in wants]
 
     def count(self, proposed: int, accepted: int, emitted: int) -> None:
         self.proposed += proposed
@@ -65,6 +77,32 @@ class Speculation:
         rate = self.accepted / max(1, self.proposed)
         return (f"speculative {self.method}: {self.accepted}/{self.proposed} proposals accepted ({rate:.0%}), "
                 f"{self.emitted / self.verify_steps:.2f} tokens per verifying step")
+
+
+class DraftProposals:
+    """A draft model's proposals: its greedy continuation of each context, computed by an
+    engine of its own (the draft's `LoadedModel.engine`, its own paged KV pool) for all the
+    sequences that speculate at once. Each step's contexts start as the last step's did plus
+    the tokens the model took: the draft's sequences leave their blocks committed to its prefix
+    cache as they end (Scheduler.release), so a step recomputes only the part block past them
+    and the new tokens, then decodes k - 1 more."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded  # kept: closing it frees the draft's runner
+        self.engine = loaded.engine
+
+    def propose(self, wants: list[tuple[list[int], int]]) -> list[list[int]]:
+        engine, seqs, order = self.engine, [], []
+        for i, (context, k) in enumerate(wants):
+            # Past the draft's own context (a draft may hold fewer positions), nothing is proposed.
+            if k > 0 and len(context) + k <= engine.max_context:
+                # seed 0: a seed per sequence would read the OS's entropy, and greedy draws nothing
+                seqs.append(engine.new_sequence(context, SamplingParams(k, seed=0, ignore_eos=True)))
+                order.append(i)
+        proposals = [[] for _ in wants]
+        for i, seq in zip(order, engine.generate(seqs)):
+            proposals[i] = seq.tokens
+        return proposals
 
 
 def ngram_proposal(context: list[int], k: int) -> list[int]:
