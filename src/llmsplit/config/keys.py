@@ -63,6 +63,10 @@ DOCS = {
     "data.eval_fraction": "this share of the source's documents (the last ones) held out instead",
     "train.objective": "what training minimises: next-token loss (sft), the DPO loss on preference pairs (dpo), "
                        "or GRPO's loss on completions scored by reward functions (grpo)",
+    "train.teacher": "a model to distil from (run, checkpoint, Hugging Face folder or GGUF with the data's "
+                     "tokenizer): the loss becomes KL to its next-token distribution, the teacher frozen on each rank",
+    "train.distill_weight": "with train.teacher: the KL term's share of the loss, the rest next-token loss",
+    "train.distill_temperature": "with train.teacher: both sides' logits divided by this (KL times its square)",
     "train.steps": "optimizer steps",
     "train.global_batch": "sequences per optimizer step, over all data-parallel ranks (dpo: preference pairs; "
                           "grpo: completions, grpo.num_generations per prompt)",

@@ -51,10 +51,29 @@ def check_objective(cfg) -> None:
         raise ConfigError(f"train.objective={cfg.train.objective!r} is not one of: {', '.join(map(repr, OBJECTIVES))}")
     _check_dpo_section(cfg.dpo)
     _check_grpo_section(cfg.grpo)
+    _check_distillation(cfg)
     if cfg.train.objective == "dpo":
         _check_dpo_run(cfg)
     elif cfg.train.objective == "grpo":
         _check_grpo_run(cfg)
+
+
+def _check_distillation(cfg) -> None:
+    t = cfg.train
+    if not 0 < t.distill_weight <= 1:
+        raise ConfigError(f"train.distill_weight={t.distill_weight} must be above 0 and at most 1 (the KL term's "
+                          f"share of the loss; 1: KL alone)")
+    if not t.distill_temperature > 0:
+        raise ConfigError(f"train.distill_temperature={t.distill_temperature} must be greater than 0 (1: the logits "
+                          f"as they are)")
+    if not t.teacher:
+        return
+    if t.objective != "sft":
+        raise ConfigError(f"train.teacher distils with the next-token objective, and train.objective is "
+                          f"{t.objective!r}; remove train.teacher or set train.objective=\"sft\"")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"train.teacher with parallel.cp={cfg.parallel.cp} is not built yet (the teacher sees "
+                          f"whole rows); set parallel.cp=1")
 
 
 def _check_dpo_section(dpo: DpoSection) -> None:

@@ -30,6 +30,11 @@ LORA_LR = 2e-4
 @dataclass
 class TrainSection:
     objective: str = "sft"  # "sft": next-token loss; "dpo": preference pairs; "grpo": rewards (config/objective.py)
+    # A model to distil from (train/distill.py): the loss is KL to its next-token distribution, mixed
+    # with the next-token loss by distill_weight, over its and the student's temperature-softened logits.
+    teacher: str | None = None
+    distill_weight: float = 1.0
+    distill_temperature: float = 1.0
     steps: int = 120
     global_batch: int = 16
     micro_batch: int = 8

@@ -247,6 +247,11 @@ def check_job(job: TrainJob) -> None:
         from ..io.peft_adapter import check_init
 
         check_init(job.cfg.lora.init, job.cfg.lora)
+    if job.cfg.train.teacher:
+        from ..io.tokenizer import load_tokenizer
+        from .distill import check_teacher
+
+        check_teacher(job.cfg.train.teacher, load_tokenizer(job.cfg.data.tokenizer), job.model_cfg.vocab_size)
     # The workers warn about the checkpoints skipped. Where the run folder is another node's (one
     # joining an elastic job under way), its rank 0 reads them: here they may be half written.
     if job.resume == "auto" and (job.torchrun or job.workers.holds_run_folder()):

@@ -80,6 +80,9 @@ class PreferenceObjective:
     def pipeline_calls(self, n_microbatches: int):
         return last_calls_only(self.pending, n_microbatches)
 
+    def carry(self, batch):
+        return batch  # a pair's index is in its targets already (data/preference.py)
+
     def prepare(self, trainer, resumed_state: dict | None) -> None:
         """The reference log-probs: from the checkpoint resumed, else computed now (a
         collective: every rank calls it, before any optimizer step)."""

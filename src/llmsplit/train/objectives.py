@@ -53,6 +53,10 @@ class NextTokenObjective:
     def prepare(self, trainer, resumed_state: dict | None) -> None:
         """Before the first step: nothing to compute for this objective."""
 
+    def carry(self, batch):
+        """The rows as the loss needs them: as they are (distillation adds its teacher's inputs)."""
+        return batch
+
     def evaluating(self):
         return nullcontext()
 
@@ -78,4 +82,8 @@ def build_objective(cfg, device: torch.device):
         from .grpo import GroupRelativeObjective
 
         return GroupRelativeObjective(cfg.grpo, device)
+    if cfg.train.teacher:
+        from .distill import DistillObjective
+
+        return DistillObjective(cfg.train, device)
     return NextTokenObjective()

@@ -189,7 +189,9 @@ class Trainer:
 
     def local_rows(self, batch: Batch) -> Batch:
         """What this rank computes of its data-parallel rows: all of them, or under context
-        parallel its share of each sequence."""
+        parallel its share of each sequence; with what the objective's loss reads beside the
+        targets (distillation: the teacher's inputs)."""
+        batch = self.objective.carry(batch)
         if self.pm.cp_group is None:
             return batch
         return Batch(*shard_rows(batch.inputs, batch.targets, batch.positions, self.pm.cp_group))
