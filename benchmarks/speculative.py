@@ -1,9 +1,12 @@
 """Speculative decoding against none, side by side in one process: decode tokens/s of
-`llmsplit.load(..., speculative="ngram")` and of the default engine on the same GGUF file,
+`llmsplit.load(..., speculative="ngram")`, with `--draft` of a draft model's proposals
+(`speculative=PATH`, e.g. one distilled with train.teacher: docs/guide.md), and of the default
+engine on the same GGUF file,
 greedy (so both produce the same tokens, which the benchmark checks), prompts in the model's
 chat template.
 
-`python -m benchmarks.speculative --gguf FILE.gguf [--rounds 3] [--tokens 4] [--max-new-tokens 128]`
+`python -m benchmarks.speculative --gguf FILE.gguf [--rounds 3] [--tokens 4] [--max-new-tokens 128]
+[--draft DRAFT --draft-tokens 3]`
 
 Two prompt sets: `grounded` (the answer quotes its input: edit this code, copy a passage,
 answer from a document), where prompt lookup finds what comes next, and `open` (chat without
@@ -70,6 +73,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft", help="also a draft model's proposals (--speculative PATH)")
+    p.add_argument("--draft-tokens", type=int, default=3, help="--speculative-tokens with --draft")
     a = p.parse_args()
     import llmsplit
     from llmsplit.infer.chat import chat_prompt
@@ -77,27 +82,34 @@ def main() -> None:
     models = {"none": llmsplit.load(a.gguf, max_batch=1, max_context=1024),
               "ngram": llmsplit.load(a.gguf, max_batch=1, max_context=1024, speculative="ngram",
                                      speculative_tokens=a.tokens)}
+    if a.draft:
+        models["draft"] = llmsplit.load(a.gguf, max_batch=1, max_context=1024, speculative=a.draft,
+                                        speculative_tokens=a.draft_tokens)
     sets = {"grounded": GROUNDED, "open": OPEN}
     ids = {name: [chat_prompt([{"role": "user", "content": q}], models["none"].tokenizer)[0] for q in qs]
            for name, qs in sets.items()}
-    rates: dict[tuple[str, str], list[float]] = {}
-    print(f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, k={a.tokens}, {a.max_new_tokens} new tokens")
+    rates: dict[tuple, list] = {}
+    print(f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, k={a.tokens} (draft {a.draft_tokens}), "
+          f"{a.max_new_tokens} new tokens")
     for r in range(a.rounds):
-        order = ["none", "ngram"] if r % 2 == 0 else ["ngram", "none"]
+        order = list(models) if r % 2 == 0 else list(models)[::-1]
         for name in sets:
             for side in order:
                 results = [decode_rate(models[side], q, a.max_new_tokens) for q in ids[name]]
-                rate = statistics.median(x for x, _ in results)
-                rates.setdefault((name, side), []).append(rate)
+                rates.setdefault((name, side), []).append(statistics.median(x for x, _ in results))
                 rates.setdefault((name, side, "tokens"), []).append([t for _, t in results])
-            same = rates[(name, "none", "tokens")][-1] == rates[(name, "ngram", "tokens")][-1]
-            print(f"round {r} {name:8s} order {'/'.join(order)}: none {rates[(name, 'none')][-1]:.1f}, ngram "
-                  f"{rates[(name, 'ngram')][-1]:.1f} tokens/s (median of {len(ids[name])} prompts), same tokens: "
-                  f"{same}, load {os.getloadavg()[0]:.2f}", flush=True)
+            same = all(rates[(name, side, "tokens")][-1] == rates[(name, "none", "tokens")][-1] for side in models)
+            measured = ", ".join(f"{side} {rates[(name, side)][-1]:.1f}" for side in models)
+            print(f"round {r} {name:8s} order {'/'.join(order)}: {measured} tokens/s (median of {len(ids[name])} "
+                  f"prompts), same tokens: {same}, load {os.getloadavg()[0]:.2f}", flush=True)
     for name in sets:
-        none, ngram = statistics.median(rates[(name, "none")]), statistics.median(rates[(name, "ngram")])
-        print(f"{name}: none {none:.1f}, ngram {ngram:.1f} tokens/s, ratio {ngram / none:.2f}x")
-    print(models["ngram"].engine.speculation.summary())
+        none = statistics.median(rates[(name, "none")])
+        print(f"{name}: none {none:.1f} tokens/s; " + ", ".join(
+            f"{side} {statistics.median(rates[(name, side)]):.1f} ({statistics.median(rates[(name, side)]) / none:.2f}x)"
+            for side in models if side != "none"))
+    for side in models:
+        if side != "none":
+            print(models[side].engine.speculation.summary())
 
 
 if __name__ == "__main__":

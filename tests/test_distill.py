@@ -125,3 +125,39 @@ def test_bad_teachers_are_refused_before_any_worker_starts(teacher, tmp_path, se
                     for a in ("--set", s)], check=False)
     assert out.returncode == 2 and says.format(**fill) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_planner_counts_the_teacher_and_its_logits():
+    from llmsplit.config import layout_of, load_config, model_config, workload_of
+    from llmsplit.plan.hardware import get_device
+    from llmsplit.plan.memory import memory_per_device
+
+    base = ["data.seq_len=512", "train.global_batch=8", "train.micro_batch=2", "parallel.dp=1"]
+    plain = load_config(None, base)
+    distil = load_config(None, base + ["train.teacher=t.gguf", "train.teacher_params=135000000"])
+    model, device = model_config(plain, 49152), get_device("H100-80GB")
+    got = [memory_per_device(model, layout_of(c, 1), workload_of(c), device) for c in (plain, distil)]
+    logits = 2 * 512 * 49152 * (4 + 16)  # the teacher's fp32 logits and four float32 arrays as wide, 2 rows
+    assert got[1].detail["teacher"] == {"teacher": 135_000_000 * 4, "teacher_logits": logits}
+    assert got[0].detail["teacher"] == {}
+    assert got[1].activations - got[0].activations == 135_000_000 * 4 + logits
+    # bf16: the teacher in 2 bytes a parameter, its logits in 2 and the KL's four float32 arrays.
+    bf16 = load_config(None, base + ["train.teacher=t.gguf", "train.teacher_params=1000", "train.precision=bf16"])
+    got = memory_per_device(model, layout_of(bf16, 1), workload_of(bf16), device).detail["teacher"]
+    assert got == {"teacher": 2000, "teacher_logits": 2 * 512 * 49152 * (2 + 16)}
+
+
+def test_plan_on_a_config_with_a_teacher_counts_it(teacher, tmp_path):
+    import llmsplit
+
+    body = "[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\nffn_dim = 64\n[data]\nseq_len = 64\n" \
+           "[train]\nglobal_batch = 4\nmicro_batch = 2\n"
+    (tmp_path / "plain.toml").write_text(body)
+    (tmp_path / "distil.toml").write_text(body + f'teacher = "{teacher / "teacher"}"\n')
+    reports = [llmsplit.plan(str(tmp_path / f"{name}.toml"), 1, layout="zero=0") for name in ("plain", "distil")]
+    mems = [r["layouts"][0]["memory_per_device"] for r in reports]
+    rows = reports[1]["layouts"][0]["layout"]["micro_batch"]
+    # The teacher's parameters (its vocabulary padded to 264) in fp32, and its logits with the KL's four
+    # float32 arrays over the student's 264 rows of head.
+    params = 2 * 264 * 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) + 64
+    assert mems[1]["activations"] - mems[0]["activations"] == params * 4 + rows * 64 * 264 * (4 + 16)

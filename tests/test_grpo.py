@@ -268,7 +268,7 @@ def test_the_planner_counts_the_rollout_engine():
     from llmsplit.config import layout_of, load_config, model_config, workload_of
     from llmsplit.plan.hardware import get_device
     from llmsplit.plan.memory import memory_per_device
-    from llmsplit.plan.rollout import whole_model_params
+    from llmsplit.models.weight_shapes import model_params
 
     base = ["data.seq_len=1024", "train.global_batch=16", "train.micro_batch=2", "parallel.dp=2",
             "train.objective=grpo", "grpo.rewards=m:f", "grpo.num_generations=4"]
@@ -279,7 +279,7 @@ def test_the_planner_counts_the_rollout_engine():
         model = model_config(cfg, 258)
         bd = memory_per_device(model, layout_of(cfg, 2), workload_of(cfg), get_device("H100-80GB"))
         engines[name] = bd.detail["rollout_engine"]
-    weights = whole_model_params(model) * 4
+    weights = model_params(model) * 4
     kv = 2 * model.n_layers * model.n_kv_heads * model.head_dim * 4 * 8 * 1024  # 8 completions a rank
     assert engines["sft"] == {}
     assert engines["grpo"] == {"weights": weights, "reference": 0, "kv_pool": kv}

@@ -84,6 +84,13 @@ def plan(model, gpus: int, gpu: str = "H100-80GB", emit_config=None, **options) 
         from .io.tokenizer import load_tokenizer
 
         options["tokenizer_vocab"] = load_tokenizer(source.data.tokenizer).vocab_size
+    if source is not None and source.train.teacher and "train.teacher_params" not in source.explicit:
+        # A distillation's teacher, counted by its size as training counts it (train/distill.py).
+        from .io.weights import open_weights
+        from .models.weight_shapes import model_params
+
+        teacher = model_params(open_weights(source.train.teacher, what="train.teacher").config)
+        options["sets"] = (*options.get("sets", ()), f"train.teacher_params={teacher}")
     if isinstance(gpu, str) and gpu.lower() == "cpu" and "cpu_measured" not in options:
         # The planner is pure; this machine's CPU is measured here (once, then cached), with
         # what compiling adds to a worker where the config compiles (train.compile).

@@ -47,7 +47,7 @@ def workload_of(cfg: Config) -> Workload:
     return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision,
                     lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets, lora_base=cfg.lora.base,
                     rows_per_sample=2 if cfg.train.objective == "dpo" else 1, compile=cfg.train.compile,
-                    **_rollout(cfg))
+                    teacher_params=cfg.train.teacher_params if cfg.train.teacher else 0, **_rollout(cfg))
 
 
 def _rollout(cfg: Config) -> dict:

@@ -67,6 +67,7 @@ DOCS = {
                      "tokenizer): the loss becomes KL to its next-token distribution, the teacher frozen on each rank",
     "train.distill_weight": "with train.teacher: the KL term's share of the loss, the rest next-token loss",
     "train.distill_temperature": "with train.teacher: both sides' logits divided by this (KL times its square)",
+    "train.teacher_params": "the teacher's parameters, which the planner counts (set from train.teacher's weights)",
     "train.steps": "optimizer steps",
     "train.global_batch": "sequences per optimizer step, over all data-parallel ranks (dpo: preference pairs; "
                           "grpo: completions, grpo.num_generations per prompt)",

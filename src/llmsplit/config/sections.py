@@ -35,6 +35,7 @@ class TrainSection:
     teacher: str | None = None
     distill_weight: float = 1.0
     distill_temperature: float = 1.0
+    teacher_params: int = 0  # set at launch from train.teacher's weights (the planner counts them)
     steps: int = 120
     global_batch: int = 16
     micro_batch: int = 8

@@ -108,6 +108,8 @@ class Workload:
     rollout_rows: int = 0
     rollout_context: int = 0
     rollout_reference: bool = False
+    # train, distillation: the parameters of the frozen teacher each rank holds (plan/rollout.py).
+    teacher_params: int = 0
 
     @property
     def compute_bytes(self) -> int:

@@ -11,6 +11,7 @@ so its time and memory are bounded by the file, not by what the config claims.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 from .llama import LlamaConfig
@@ -21,6 +22,12 @@ Shape = tuple[int, ...]
 # alone) from making per-layer lists of whatever length it claims.
 MAX_LAYERS = 1024
 VALUE_CHOICES = {"router_score": ("softmax", "sigmoid"), "mlp_act": ("silu", "gelu_tanh")}  # the string fields' values
+
+
+def model_params(cfg: LlamaConfig) -> int:
+    """The parameters of `Transformer(cfg)` held whole in one process, a tied head once."""
+    total = sum(math.prod(shape) for _, shape in parameter_shapes(cfg))
+    return total - (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
 
 
 def parameter_shapes(cfg: LlamaConfig) -> Iterator[tuple[str, Shape]]:

@@ -191,7 +191,8 @@ def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     trains = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base,
-               "compile": source.train.compile} if source and mode == "train" else {})
+               "compile": source.train.compile, "teacher_params": source.train.teacher_params if source.train.teacher
+               else 0} if source and mode == "train" else {})
     return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **trains)
 
 

@@ -25,7 +25,7 @@ from ..layout import INFER_EXPERT_DIMS, SPLIT_BACKWARD_SCHEDULES, rank_layer_sha
 from ..models.llama import LlamaConfig
 from .experts import dispatch_buffer_bytes, expert_params_per_rank
 from .hardware import Device
-from .rollout import rollout_engine_bytes
+from .rollout import rollout_engine_bytes, teacher_bytes
 from ..layout import Layout, Workload, microbatches, rank_layer_counts
 from .states import FP32, inference_weight_bytes, model_state_bytes, quantized_base_params, stored_bytes, zero_paper_bytes  # noqa: F401
 
@@ -262,6 +262,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
         states["optimizer"] = 0
 
     engine = rollout_engine_bytes(cfg, layout, work, cfg.n_layers * lora_layer_params(cfg, work))  # GRPO: resident
+    teacher = teacher_bytes(cfg, layout, work, sp_["has_head"])  # a distillation's: resident, and at the loss
     # Saved activations at the start of the last in-flight micro-batch's backward.
     per_layer = layer_activation_bytes(cfg, b, s, layout, pattern, layout.activation_checkpoint, fused)
     full_layer = layer_activation_bytes(cfg, b, s, layout, pattern, "none", fused)
@@ -287,7 +288,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
     if layout.offload == "nvme":
         step_tmp += min(NVME_GROUP_BYTES, 2 * FP32 * n_params // (layout.shard if layout.zero >= 1 else 1))
     step_peak = step_tmp + head["logits"]
-    activations = max(backward_peak - grads_absent, step_peak) + sum(engine.values())
+    activations = max(backward_peak - grads_absent, step_peak) + sum(engine.values()) + sum(teacher.values())
 
     comm = _comm_buffers(cfg, layout, work, sp_, c)
     tensors = sum(states.values()) + activations + comm["total"]
@@ -299,7 +300,7 @@ def _training_stage(cfg: LlamaConfig, layout: Layout, work: Workload, device: De
               "autocast_weight_copies": autocast_weights, "loss_peak": head["loss_peak"],
               "backward_peak": backward_peak, "optimizer_step_peak": step_peak,
               "grads_absent_at_peak": grads_absent, "cpu_retained_heap": heap, "comm": comm, "microbatches": m,
-              "rollout_engine": engine}
+              "rollout_engine": engine, "teacher": teacher}
     return Breakdown(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                      activations=int(activations), comm_buffers=comm["total"], overhead=overhead,
                      host=host, stage=stage, detail=detail)

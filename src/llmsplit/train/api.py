@@ -9,7 +9,7 @@ import contextlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, load_config, model_config, record_model_sizes, to_toml, validate
@@ -111,7 +111,8 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     from ..data.datasets import check_preference_source
     from ..io.run_dir import CONFIG_FILE, absolute_paths
     from ..io.tokenizer import load_tokenizer
-    from .finetune import apply_finetune_defaults
+    from .distill import check_teacher as _check_teacher
+    from .finetune import apply_finetune_defaults, use_pretrained_sizes
 
     torchrun = under_torchrun()
     run_dir = Path(run_dir) if run_dir else None
@@ -132,7 +133,7 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
         cfg = load_config(config, overrides)
     absolute_paths(cfg)  # config.toml then names the same files from any directory
     if cfg.model.hf or cfg.model.gguf:
-        _use_pretrained_sizes(cfg)
+        use_pretrained_sizes(cfg)
         apply_finetune_defaults(cfg, warn=not torchrun or os.environ.get("RANK", "0") == "0")
     nproc = workers.nproc or default_nproc()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc * workers.nnodes
@@ -142,7 +143,10 @@ def prepare_job(config: str | Path | Config | None, overrides, run_dir: str | Pa
     check_source(cfg.data.source, tokenizer)  # a token file made with another tokenizer: refused here, exit 2
     if cfg.train.objective == "dpo":
         check_preference_source(cfg.data)
-    return TrainJob(cfg, model_config(cfg, vocab), vocab, world, per_node, run_dir, resume, resume_from, workers,
+    model_cfg = model_config(cfg, vocab)
+    if cfg.train.teacher:  # its tokenizer and vocabulary checked, its size recorded for the planner
+        cfg.train.teacher_params = _check_teacher(cfg.train.teacher, tokenizer, model_cfg.vocab_size)
+    return TrainJob(cfg, model_cfg, vocab, world, per_node, run_dir, resume, resume_from, workers,
                     torchrun, resume_changed, overwrite=overwrite)
 
 
@@ -189,24 +193,6 @@ def _check_arguments(workers: Workers, run_dir: Path | None, resume: str, torchr
     return resume_from
 
 
-def _use_pretrained_sizes(cfg: Config) -> None:
-    """`model.hf` / `model.gguf`: the model's sizes come from the folder's config.json or the
-    file's metadata (explicit size keys would contradict the weights) and, unless one is
-    named, its tokenizer is the folder's (the file's)."""
-    from ..io.weights import pretrained_weights
-
-    source = pretrained_weights(cfg)  # reads only the metadata and tensor headers
-    key = "model.hf" if cfg.model.hf else "model.gguf"
-    for f in fields(cfg.model):
-        if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
-                and getattr(cfg.model, f.name) != getattr(source.config, f.name):
-            raise ConfigError(f"model.{f.name} cannot be set together with {key} (its config says "
-                              f"{getattr(source.config, f.name)}); remove model.{f.name}")
-    record_model_sizes(cfg, source.config)
-    if cfg.data.tokenizer == "byte":
-        cfg.data.tokenizer = str(cfg.model.hf or cfg.model.gguf)
-
-
 def check_moe_training(job: TrainJob) -> None:
     """The mixture-of-experts training keys: the load-balancing loss and the loss-free bias."""
     t = job.cfg.train
@@ -247,11 +233,6 @@ def check_job(job: TrainJob) -> None:
         from ..io.peft_adapter import check_init
 
         check_init(job.cfg.lora.init, job.cfg.lora)
-    if job.cfg.train.teacher:
-        from ..io.tokenizer import load_tokenizer
-        from .distill import check_teacher
-
-        check_teacher(job.cfg.train.teacher, load_tokenizer(job.cfg.data.tokenizer), job.model_cfg.vocab_size)
     # The workers warn about the checkpoints skipped. Where the run folder is another node's (one
     # joining an elastic job under way), its rank 0 reads them: here they may be half written.
     if job.resume == "auto" and (job.torchrun or job.workers.holds_run_folder()):

@@ -26,15 +26,17 @@ from ..data.loader import IGNORE, Batch
 from ..errors import ConfigError
 from ..io.weights import open_weights
 from ..models.llama import Transformer
+from ..models.weight_shapes import model_params
 from .init_from import load_pretrained
 from .objectives import NextTokenObjective, last_calls_only, token_loss
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_teacher(path: str, tokenizer, student_vocab: int) -> None:
+def check_teacher(path: str, tokenizer, student_vocab: int) -> int:
     """Before any worker starts: the teacher opens, and gives every token of the data's
-    tokenizer the same id (its logits are compared with the student's id by id)."""
+    tokenizer the same id (its logits are compared with the student's id by id). Returns its
+    parameter count (read from its metadata, as the planner counts it)."""
     source = open_weights(path, what="train.teacher")
     theirs = source.tokenizer
     if theirs.vocab_fingerprint != tokenizer.vocab_fingerprint:
@@ -46,6 +48,7 @@ def check_teacher(path: str, tokenizer, student_vocab: int) -> None:
         raise ConfigError(f"train.teacher={path!r} scores {source.config.vocab_size} tokens and the student "
                           f"{student_vocab}, fewer than the tokenizer's {tokenizer.vocab_size}; give the student a "
                           f"vocabulary that covers the tokenizer's")
+    return model_params(source.config)
 
 
 def load_teacher(path: str, device: torch.device, dtype: torch.dtype) -> Transformer:

@@ -1,6 +1,6 @@
-"""Defaults for fine-tuning: when `model.hf` loads pretrained weights, the keys the user did
-not set take values meant for adapting a trained model instead of those for training one
-from random weights.
+"""Starting from pretrained weights (`model.hf` / `model.gguf`): the model's sizes and tokenizer
+come from them (`use_pretrained_sizes`), and the keys the user did not set take values meant for
+adapting a trained model instead of those for training one from random weights.
 
 With the from-scratch defaults (lr 3e-3, 10 warmup steps, weight decay 0.1) three steps on
 SmolLM2-135M-Instruct turned "The capital of France is Paris." into nonsense. The fine-tuning
@@ -18,8 +18,10 @@ update; at 2e-5, 20 steps on SmolLM2-135M moved the loss 2.52 -> 2.33, at 5e-4 t
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 
-from ..config import FINETUNE_DEFAULTS, LORA_LR, Config
+from ..config import FINETUNE_DEFAULTS, LORA_LR, Config, record_model_sizes
+from ..errors import ConfigError
 
 FROM_SCRATCH_LR = 1e-3  # at or above it, a learning rate is one for training from random weights
 # LoRA's usual lr is 1e-4 to 3e-4; a tenth of the one or ten times the other is far outside it.
@@ -77,3 +79,21 @@ def _lr_problem(cfg: Config, weights: str) -> str | None:
 
 def _usual() -> str:
     return " to ".join(f"{x:.0e}".replace("e-0", "e-") for x in LORA_USUAL)  # "1e-4 to 3e-4"
+
+
+def use_pretrained_sizes(cfg: Config) -> None:
+    """`model.hf` / `model.gguf`: the model's sizes come from the folder's config.json or the
+    file's metadata (explicit size keys would contradict the weights) and, unless one is
+    named, its tokenizer is the folder's (the file's)."""
+    from ..io.weights import pretrained_weights
+
+    source = pretrained_weights(cfg)  # reads only the metadata and tensor headers
+    key = "model.hf" if cfg.model.hf else "model.gguf"
+    for f in fields(cfg.model):
+        if f.name not in ("preset", "hf", "gguf") and getattr(cfg.model, f.name) is not None \
+                and getattr(cfg.model, f.name) != getattr(source.config, f.name):
+            raise ConfigError(f"model.{f.name} cannot be set together with {key} (its config says "
+                              f"{getattr(source.config, f.name)}); remove model.{f.name}")
+    record_model_sizes(cfg, source.config)
+    if cfg.data.tokenizer == "byte":
+        cfg.data.tokenizer = str(cfg.model.hf or cfg.model.gguf)
