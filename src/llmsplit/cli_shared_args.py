@@ -56,8 +56,12 @@ def add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None
                    "per token and head (about 1/4 of the float32 cache's bytes, 1/2 of bfloat16's), or as bfloat16 "
                    "under a float32 compute dtype (1/2, and faster decoding of many long sequences on CPU) (default: "
                    "the compute dtype)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step: faster tokens after "
-                   "a one-time compile (minutes on a small CPU, cached on disk); not with --tp/--pp or offload")
+    p.add_argument("--compile", nargs="?", const="now", choices=("auto", "now", "off"),
+                   help="torch.compile the decode step: auto (the default, or $LLMSPLIT_COMPILE) runs eager while a "
+                   "background process compiles it once for this model shape and machine, then compiles from "
+                   "that cache at every later start (seconds) and swaps it into a running server; now (the flag "
+                   "alone) compiles at load (minutes on a small CPU the first time); off never. Not with "
+                   "--tp/--pp or offload (auto stays eager there)")
     p.add_argument("--n-cpu-moe", type=number(int, at_least=1), metavar="N",
                    help="keep the routed experts of the first N mixture-of-experts layers in CPU memory, attention "
                    "on the accelerator, as llama.cpp's --n-cpu-moe (default: experts stay with their layer)")

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from ..errors import ConfigError
+from . import compile_cache
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..parallel.mesh import ParallelDims
 from .config import POOLING, SPECULATIVE, InferConfig
@@ -31,8 +32,10 @@ class LoadedModel:
     """What `llmsplit.load` returns: `generate`, `logits`, `tokenizer`, `device_map`."""
 
     def __init__(self, engine: Engine, runner, placement: Placement | None, device_map: dict[str, str], config,
-                 adapters: list[str] = (), pooling: str = "last"):
+                 adapters: list[str] = (), pooling: str = "last", compile_pending: dict | None = None):
         self.engine = engine
+        # --compile auto: the key of the background build whose decode graphs replace eager ones when done
+        self.compile_pending = compile_pending
         self.pooling = pooling  # what `embed` does by default (InferConfig.pooling)
         self.adapters = list(adapters)  # the LoRA adapters served over the model: adapter k is adapters[k - 1]
         self.runner = runner
@@ -88,6 +91,22 @@ class LoadedModel:
         if isinstance(prompt, torch.Tensor):
             return prompt.reshape(-1).tolist()
         return [int(t) for t in prompt]
+
+    def compile_when_ready(self) -> bool:
+        """Under --compile auto, once the background build has stored its artifact and no request
+        runs: compile the decode step from it (seconds) and decode compiled from then on.
+        Returns whether it did (the server calls it on its engine thread, between steps)."""
+        if self.compile_pending is None or self.engine.busy:
+            return False
+        artifact = compile_cache.find(self.compile_pending)
+        if artifact is None:
+            return False
+        torch.compiler.load_cache_artifacts(artifact)
+        self.runner.compile_decode()
+        self.engine.scheduler.one_decode_batch = True
+        _compile_decode_graphs(self.engine, self.engine.max_batch)
+        self.compile_pending = None
+        return True
 
     def close(self) -> None:
         """Stop the worker processes (tp/pp) and the prefetch thread; also done at exit."""
@@ -164,13 +183,15 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
             raise ConfigError(f"--node-rank {config.nodes.node_rank} runs workers for node 0, which serves; "
                               f"call llmsplit.infer.api.follow there")
         runner, placement, dmap = SplitRunner(spec), None, _split_map(cfg, spec)
+        compile_now, pending = False, None  # (--compile now is refused under a split: layout.rules)
     else:
         placement = place(cfg, detect_budgets(config.max_memory, config.offload_dir),
                           placement_mode(config.device_map), sizes)
         if "disk" in placement.device_map.values() and config.offload_dir is None:
             raise ConfigError("the device map puts modules on disk; pass --offload-dir (offload_dir=) for them")
+        compile_now, pending = _compile_choice(path, source, config, placement, dtype, (num_blocks, sizes.context))
         runner = Runner(source, PieceSpec(placement, dtype, num_blocks, config.block_size, sizes.context,
-                                          offload_dir=config.offload_dir, compile=config.compile,
+                                          offload_dir=config.offload_dir, compile=compile_now,
                                           quantize=_quantize_mode(config.quantize), tune_threads=config.tune_threads,
                                           kv_dtype=config.kv_dtype))
         dmap = dict(placement.device_map)
@@ -179,11 +200,14 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, config.block_size, config.max_batch, sizes.context,
                     config.prefix_caching, config.max_num_batched_tokens,
-                    one_decode_batch=config.compile or runner.decodes_in_place, speculation=_speculation(config, source, sizes.context))
-    if config.compile:
+                    one_decode_batch=compile_now or runner.decodes_in_place,
+                    speculation=_speculation(config, source, sizes.context))
+    if compile_now:
         _compile_decode_graphs(engine, config.max_batch)
+    if pending is not None:  # started once this load is done (its native kernels built: the build reuses them)
+        compile_cache.start_build(path, config, pending, sizes.context)
     return LoadedModel(engine, runner, placement, dmap, cfg, adapters=[n for n, _ in config.adapters],
-                       pooling=config.pooling)
+                       pooling=config.pooling, compile_pending=pending)
 
 
 def follow(path, config: InferConfig | None = None, *, announce=None, **fields) -> None:
@@ -239,7 +263,7 @@ def _split_spec(path, source, config: InferConfig, dtype, num_blocks: int, max_c
     """The `SplitSpec` of `--tp/--pp` (on `nodes`), refused by the layout rules (the planner's
     and training's) before any worker starts."""
     quantize = _quantize_mode(config.quantize)
-    layout = split_layout(source.config, config.tp, config.pp, config.compile, _packing(source, quantize))
+    layout = split_layout(source.config, config.tp, config.pp, config.compile == "now", _packing(source, quantize))
     return SplitSpec(str(path), config, layout, dtype, num_blocks, max_context, quantize)
 
 
@@ -260,6 +284,25 @@ def _quantize_mode(quantize) -> str | None:
     if torch.cuda.is_available() and quantize in ("int8", "int4"):
         raise ConfigError(f"--quantize {quantize} runs on the CPU kernels only in this version; drop it on a GPU machine")
     return "none" if torch.cuda.is_available() else quantize
+
+
+def _compile_choice(path, source, config: InferConfig, placement: Placement, dtype, pool: tuple[int, int]):
+    """(compile the decode step at this load?, the key of the background build to swap in when
+    it is done). Under "auto" (compile_cache.py) a model whose every unit runs on one device
+    compiles from a sound cached artifact, or runs eager while a build starts; one spread over
+    devices or offloaded runs eager (compiling needs every layer resident)."""
+    if config.compile != "auto":
+        return config.compile == "now", None
+    devices = set(placement.device_map.values())
+    if devices != {placement.exec_device}:
+        return False, None
+    key = compile_cache.build_key(source.config, config, dtype, _packing(source, _quantize_mode(config.quantize)),
+                                  torch.device(placement.exec_device), pool)
+    artifact = compile_cache.find(key)
+    if artifact is not None:
+        torch.compiler.load_cache_artifacts(artifact)
+        return True, None
+    return False, key
 
 
 def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:

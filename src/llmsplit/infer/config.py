@@ -7,12 +7,16 @@ experts) is checked where the model is opened (api.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 
 from ..errors import ConfigError
 from ..launch import Nodes
 from ..quant import MODES as QUANTIZE  # --quantize; None keeps a GGUF's own packing
 
+# --compile: "auto" compiles the decode step in a background process once per model shape and
+# machine, then at every later load from the caches (compile_cache.py); "now" at this load; "off" never.
+COMPILE = ("auto", "now", "off")
 KV_DTYPES = ("int8", "bfloat16")  # --kv-dtype (runner/kv_cache.py stores them); default: the compute dtype
 # --speculative: the proposers engine/speculative.py has besides a draft model's path
 SPECULATIVE = ("ngram",)
@@ -33,7 +37,9 @@ class InferConfig:
     model's on GPU). tp, pp: worker processes (tensor / pipeline parallel), on `nodes`.
     max_batch: sequences at once; max_context: tokens a sequence holds (default the model's,
     up to 4096); block_size: tokens a KV block; kv_tokens: the KV pool all sequences share
-    (default max_batch full contexts). compile: torch.compile the decode step. quantize: None
+    (default max_batch full contexts). compile: "now" compiles the decode step at load, "auto" (the
+default, or $LLMSPLIT_COMPILE) once per model shape and machine in the background and then at
+every load from the caches (compile_cache.py), "off" never; True/False mean "now"/"off". quantize: None
     keeps a GGUF's own int4/int8 packed (other models stay float), "int8"/"int4" quantize the
     float weights as they load, "none" widens everything. kv_dtype: None keeps the KV cache in
     the compute dtype, "int8" stores int8 with a scale per (token, head), "bfloat16" half of
@@ -56,7 +62,7 @@ class InferConfig:
     max_batch: int = 4
     max_context: int | None = None
     block_size: int = 16
-    compile: bool = False
+    compile: bool | str | None = None  # "auto" | "now" | "off" (True: "now", False: "off"; None: $LLMSPLIT_COMPILE or auto)
     quantize: str | None = None
     kv_tokens: int | None = None
     kv_dtype: str | None = None
@@ -72,6 +78,7 @@ class InferConfig:
     tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        self._settle_compile()
         self._check_sizes()
         self._check_speculative()
         self._check_split()
@@ -86,6 +93,19 @@ class InferConfig:
         if self.n_cpu_moe < 0:
             raise ConfigError(f"--n-cpu-moe {self.n_cpu_moe} keeps the experts of mixture-of-experts layers in "
                               f"CPU memory, and it must be a positive count")
+
+    def _settle_compile(self) -> None:
+        """compile as one of COMPILE: a bool is "now" or "off"; unset, $LLMSPLIT_COMPILE or "auto"."""
+        value = self.compile
+        if value is None:
+            value = os.environ.get("LLMSPLIT_COMPILE") or "auto"
+            if value not in COMPILE:
+                raise ConfigError(f"LLMSPLIT_COMPILE={value!r} is not one of: {', '.join(COMPILE)}")
+        elif isinstance(value, bool):
+            value = "now" if value else "off"
+        elif value not in COMPILE:
+            raise ConfigError(f"--compile {value!r} is not one of: {', '.join(COMPILE)}")
+        object.__setattr__(self, "compile", value)
 
     def _check_sizes(self) -> None:
         if self.max_batch < 1 or self.block_size < 1 or (self.max_context is not None and self.max_context < 2):

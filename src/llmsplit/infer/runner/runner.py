@@ -184,8 +184,10 @@ class Runner:
         # Decode on the CPU picks its thread count as it runs (llmsplit/threads.py) in the processes
         # llmsplit owns (generate, serve): a library caller's torch threads are its own.
         # Tensor-parallel pieces keep theirs (their ranks step together); CUDA steps are not timed.
+        # Not a compiled step: a graph is compiled for the thread count it was traced at (another
+        # count recompiled it, minutes each: `generate --compile` decoded 2.5 tokens/s).
         self.tuner = ThreadTuner(allowed=spec.tune_threads and exec_device.type == "cpu" and spec.tp_size == 1
-                                 and not spec.layers)
+                                 and not spec.layers and not spec.compile)
         self.cache = PagedKVCache(spec.num_blocks, spec.block_size, cfg.n_kv_heads // spec.tp_size, cfg.head_dim,
                                   {i: self.devices[f"layers.{i}"] for i in owned}, spec.dtype, spec.kv_dtype)
         self._decode = self._compiled_decode() if spec.compile else None
@@ -228,9 +230,22 @@ class Runner:
                 layer.feed_forward.gate_up = None
         self.bank = bank
         if self._decode is not None:  # (compiled at load, after this: api._compile_decode_graphs)
-            self._decode = _rows_follow_the_batch(self._decode)
-            for t in (t for stack in bank.stacked for t in stack):
-                _mark_static(t)  # as the pools: they never change shape
+            self._adapt_compiled_decode()
+
+    def compile_decode(self) -> None:
+        """Decode compiled from now on (--compile auto's swap, api.LoadedModel.compile_when_ready);
+        the graphs compile at their first steps."""
+        if self.tuner.enabled:  # a compiled step runs at the count it was built with: never tuned
+            self.tuner.enabled = False
+            torch.set_num_threads(self.tuner.high)
+        self._decode = self._compiled_decode()
+        if self.bank is not None:
+            self._adapt_compiled_decode()
+
+    def _adapt_compiled_decode(self) -> None:
+        self._decode = _rows_follow_the_batch(self._decode)
+        for t in (t for stack in self.bank.stacked for t in stack):
+            _mark_static(t)  # as the pools: they never change shape
 
     @torch.no_grad()
     def replace_weights(self, state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor] | None = None,

@@ -39,6 +39,7 @@ from ..engine.grammar import Grammars
 from .channel import Channel
 from .chat_page import add_chat_page
 from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
+from .compile_watch import watch_compile
 from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .ollama import OllamaRoutes
@@ -98,9 +99,12 @@ class Server(OllamaRoutes, ResponsesRoutes, EmbeddingRoutes):
             self.scheduler.start()
             if self.announce:
                 print(self.announce, file=sys.stderr, flush=True)
+            stop = threading.Event()
+            watch_compile(self.model, self.scheduler, stop)  # --compile auto: the background build's step
             try:
                 yield
             finally:
+                stop.set()
                 self.scheduler.stop()
 
         app = FastAPI(title="llmsplit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
