@@ -149,3 +149,19 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_both(tmp_path):
         llmsplit.load(folder, max_context=64, speculative=str(draft))
     with pytest.raises(ConfigError, match="--speculative '.*nowhere' does not exist"):
         llmsplit.load(folder, max_context=64, speculative=str(tmp_path / "nowhere"))
+
+
+def test_speculation_rests_while_proposals_are_rarely_taken():
+    from llmsplit.infer.engine.speculative import FIRST_REST, WINDOW, Speculation
+
+    spec = Speculation()
+    for _ in range(WINDOW // 4):
+        spec.count(4, 0, 1)  # a window of proposals, none taken
+    assert spec.rests == 1 and all(spec.resting() for _ in range(FIRST_REST)) and not spec.resting()
+    for _ in range(WINDOW // 4):
+        spec.count(4, 0, 1)  # still poor on return: a longer rest
+    assert sum(spec.resting() for _ in range(4 * FIRST_REST)) == 2 * FIRST_REST
+    for _ in range(WINDOW // 4):
+        spec.count(4, 3, 4)  # good again: no rest, and the next rest starts short
+    assert not spec.resting() and spec.rests == 2
+    assert "rested 2 times for poor acceptance" in spec.summary()

@@ -229,7 +229,7 @@ class Scheduler:
         """(sequence, proposals) of the decoding sequences that verify proposals this step, their
         room in the cache taken; none when nothing speculates or too many decode at once. A
         sequence proposes no more than it may still generate and its context and the pool hold."""
-        if self.speculation is None or len(decoding) > SPECULATE_UP_TO:
+        if self.speculation is None or len(decoding) > SPECULATE_UP_TO or self.speculation.resting():
             return []
         wants = []
         for seq in decoding:
