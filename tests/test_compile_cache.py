@@ -87,9 +87,9 @@ def test_bad_compile_values_name_the_flag(monkeypatch):
 @pytest.mark.slow
 def test_auto_runs_eager_then_swaps_in_the_background_build(cache, tmp_path):
     folder = make_hf_folder(tmp_path / "llama", num_hidden_layers=2)
-    plain = llmsplit.load(folder, max_batch=2, max_context=64, compile="off")
+    plain = llmsplit.load(folder, max_batch=1, max_context=64, compile="off")
     want = plain.generate("The def statement", max_new_tokens=12, ignore_eos=True)
-    m = llmsplit.load(folder, max_batch=2, max_context=64, compile="auto")
+    m = llmsplit.load(folder, max_batch=1, max_context=64, compile="auto")
     assert m.compile_pending is not None and m.runner._decode is None  # eager while the build runs
     assert m.generate("The def statement", max_new_tokens=12, ignore_eos=True) == want
     deadline = time.monotonic() + 600
@@ -99,7 +99,7 @@ def test_auto_runs_eager_then_swaps_in_the_background_build(cache, tmp_path):
     assert m.compile_when_ready() and m.runner._decode is not None and m.compile_pending is None
     assert m.generate("The def statement", max_new_tokens=12, ignore_eos=True) == want
     started = time.monotonic()
-    again = llmsplit.load(folder, max_batch=2, max_context=64, compile="auto")  # from the artifact, at load
+    again = llmsplit.load(folder, max_batch=1, max_context=64, compile="auto")  # from the artifact, at load
     assert again.compile_pending is None and again.runner._decode is not None
     assert again.generate("The def statement", max_new_tokens=12, ignore_eos=True) == want
     print(f"load from the artifact: {time.monotonic() - started:.1f} s")

@@ -246,7 +246,7 @@ def _speculation(config: InferConfig, source, max_context: int) -> Speculation |
                           f"than the model ({mine.name}, {mine.vocab_size} tokens); a draft model must share the "
                           f"model's tokenizer: pick a draft of the same family or distil one (train.teacher)")
     draft = load(path, InferConfig(max_batch=SPECULATE_UP_TO, max_context=max_context, dtype=config.dtype,
-                                   kv_dtype=config.kv_dtype), source=draft_source)
+                                   kv_dtype=config.kv_dtype, compile="off"), source=draft_source)
     return Speculation(f"draft {path}", config.speculative_tokens, draft=DraftProposals(draft))
 
 
@@ -291,7 +291,7 @@ def _compile_choice(path, source, config: InferConfig, placement: Placement, dty
     it is done). Under "auto" (compile_cache.py) a model whose every unit runs on one device
     compiles from a sound cached artifact, or runs eager while a build starts; one spread over
     devices or offloaded runs eager (compiling needs every layer resident)."""
-    if config.compile != "auto":
+    if config.compile != "auto" or path is None:  # (weights in memory: no process could load them again)
         return config.compile == "now", None
     devices = set(placement.device_map.values())
     if devices != {placement.exec_device}:
