@@ -40,7 +40,7 @@ from .channel import Channel
 from .chat_page import add_chat_page
 from .edge import Gate, TimedH11Protocol, bind, check_keys, error_body
 from .compile_watch import watch_compile
-from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown
+from .engine_thread import EngineThread, QueueFull, Request as Work, ShuttingDown, load_off_the_main_thread
 from .metrics import CONTENT_TYPE as PROMETHEUS_TEXT, ServeMetrics
 from .ollama import OllamaRoutes
 from .embeddings import EmbeddingRoutes
@@ -332,7 +332,8 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
         if follower:  # node 1.. of --nnodes: this node's share of the workers, no HTTP
             follow(model_path, config, announce=lambda text: print(f"llmsplit: {text}", file=sys.stderr, flush=True))
             return
-        model = load(model_path, config)
+        # (a split's workers are processes, started from the main thread like any other)
+        model = load(model_path, config) if config.split else load_off_the_main_thread(load, model_path, config)
         try:
             name = name or _default_name(model_path)
             where = sock.getsockname()
