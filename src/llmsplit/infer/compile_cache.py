@@ -56,8 +56,7 @@ def build_key(model_cfg, config, dtype: torch.dtype, packed: str, device: torch.
                else hashlib.sha256(" ".join(sorted(native.cpu_flags())).encode()).hexdigest()[:16])
     return {"format": FORMAT, "model": model_cfg.to_dict(), "dtype": str(dtype), "kv_dtype": config.kv_dtype,
             "packed": packed, "quantize": config.quantize, "batched": config.max_batch > 1, "pool": list(pool),
-            "block_size": config.block_size,
-            "adapters": len(config.adapters), "llmsplit": version("llmsplit"), "torch": torch.__version__,
+            "block_size": config.block_size, "adapters": len(config.adapters), "llmsplit": version("llmsplit"), "torch": torch.__version__,
             "python": list(sys.version_info[:2]), "device": device.type, "machine": machine}
 
 
@@ -118,9 +117,9 @@ def building(key: dict) -> bool:
 def start_build(path, config, key: dict, context: int) -> subprocess.Popen | None:
     """Start the background build for `key` (a load of `path` as `config` says, the same pool)
     unless one runs; its output goes to a log beside the artifacts. None when one was running."""
-    if building(key) or (cache_dir() / f"{_name(key)}.failed").exists():
-        return None  # one builds now, or one failed: its .log says why, and --compile now retries here
     folder = cache_dir()
+    if building(key) or (folder / f"{_name(key)}.failed").exists():
+        return None  # one builds now, or one failed: its .log says why, and --compile now retries here
     fields = {"dtype": str(config.dtype).removeprefix("torch.") if config.dtype is not None else None,
               "max_batch": config.max_batch, "max_context": context, "kv_tokens": config.kv_tokens,
               "block_size": config.block_size, "quantize": config.quantize, "kv_dtype": config.kv_dtype,

@@ -37,10 +37,10 @@ class InferConfig:
     model's on GPU). tp, pp: worker processes (tensor / pipeline parallel), on `nodes`.
     max_batch: sequences at once; max_context: tokens a sequence holds (default the model's,
     up to 4096); block_size: tokens a KV block; kv_tokens: the KV pool all sequences share
-    (default max_batch full contexts). compile: "now" compiles the decode step at load, "auto" (the
-default, or $LLMSPLIT_COMPILE) once per model shape and machine in the background and then at
-every load from the caches (compile_cache.py), "off" never; True/False mean "now"/"off". quantize: None
-    keeps a GGUF's own int4/int8 packed (other models stay float), "int8"/"int4" quantize the
+    (default max_batch full contexts). compile: "now" compiles the decode step at load, "auto"
+    (the default, or $LLMSPLIT_COMPILE) once per model shape and machine in the background and
+    then at every load from the caches (compile_cache.py), "off" never; True/False mean
+    "now"/"off". quantize: None keeps a GGUF's own int4/int8 packed (other models stay float), "int8"/"int4" quantize the
     float weights as they load, "none" widens everything. kv_dtype: None keeps the KV cache in
     the compute dtype, "int8" stores int8 with a scale per (token, head), "bfloat16" half of
     float32's bytes. prefix_caching: share the KV blocks of common prompt starts.

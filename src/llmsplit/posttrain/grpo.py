@@ -32,7 +32,7 @@ class GRPOTrainer(Trainer):
         n = cfg.train.global_batch
         config = InferConfig(device_map=str(device), max_batch=max(1, len(share(n, 0, self.world))),
                              max_context=generation_context(longest, g.max_completion_tokens),
-                             prefix_caching=True, compile="off")  # (a build process cannot load this policy)
+                             prefix_caching=True)
         self.hangs.where = "building the rollout engine (the policy's weights gathered whole)"
         tokenizer = self.tokenizer
         eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()

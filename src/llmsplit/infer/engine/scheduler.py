@@ -231,18 +231,21 @@ class Scheduler:
         sequence proposes no more than it may still generate and its context and the pool hold."""
         if self.speculation is None or len(decoding) > SPECULATE_UP_TO or self.speculation.resting():
             return []
+        pool = self.pool
+
+        def pool_room(seq: Sequence) -> int:  # tokens its blocks and the free ones still hold
+            return (len(pool.tables[seq.id]) + pool.free_blocks) * pool.block_size - pool.lengths[seq.id]
+
         wants = []
         for seq in decoding:
-            length = self.pool.lengths[seq.id]  # its context, the newest token's room taken
-            room = min(seq.params.max_new_tokens - len(seq.tokens) - 1, self.max_context - length,
-                       (len(self.pool.tables[seq.id]) + self.pool.free_blocks) * self.pool.block_size - length)
+            length = pool.lengths[seq.id]  # its context, the newest token's room taken
+            room = min(seq.params.max_new_tokens - len(seq.tokens) - 1, self.max_context - length, pool_room(seq))
             wants.append((seq.prompt + seq.tokens, max(0, room)))
         verifying = []
         for seq, proposal in zip(decoding, self.speculation.propose(wants)):
-            room = (len(self.pool.tables[seq.id]) + self.pool.free_blocks) * self.pool.block_size
-            proposal = proposal[:room - self.pool.lengths[seq.id]]  # the others' proposals took blocks too
+            proposal = proposal[:pool_room(seq)]  # the others' proposals took blocks too
             if proposal:
-                self.pool.append(seq.id, len(proposal))
+                pool.append(seq.id, len(proposal))
                 verifying.append((seq, proposal))
         return verifying
 
