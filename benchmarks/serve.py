@@ -45,6 +45,10 @@ EXTRA_BUDGETS = [int(b) for b in os.environ.get("SERVE_BUDGETS", "").split(",") 
 # same tuning effort as SERVE_BUDGETS gives llmsplit (its batch -b, micro-batch -ub, slots -np).
 LLAMA_SETTINGS = [s.split() for s in os.environ.get("LLAMA_SERVER_SETTINGS", "").split(";") if s.strip()]
 PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
+# SERVE_SPECULATIVE=ngram: a row for llmsplit with --speculative ngram too (issue 46: throughput
+# under many streams no lower than without; SERVE_CLIENTS=16 for the issue's 16 streams).
+SPECULATIVE = os.environ.get("SERVE_SPECULATIVE", "")
+CLIENTS = int(os.environ.get("SERVE_CLIENTS", "32"))
 # SERVE_ONLY="llmsplit,previous engine": run only these rows (names as in the table).
 ONLY = {name.strip() for name in os.environ.get("SERVE_ONLY", "").split(",") if name.strip()}
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
@@ -66,6 +70,28 @@ def _start(cmd: list[str], log: Path, env: dict | None = None, ready=r"at (http:
             raise RuntimeError(f"{cmd[0]} did not start:\n{log.read_text()[-2000:]}")
         time.sleep(0.2)
     return proc, url or m.group(1)
+
+
+def _prime(start, log: Path) -> str:
+    """Pay --compile auto's one-time cost before the rounds, as a user's first start does: serve
+    until the background build of this configuration's decode step is stored and swapped in
+    (each round's start then compiles from it). Returns how the start line says it decodes."""
+    proc, _ = start(log)
+    try:
+        deadline = time.monotonic() + 1800
+        while not re.search(r"\(decode (compiled|eager);|swapped in", text := log.read_text()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the compiled decode step was not stored:\n{text[-2000:]}")
+            time.sleep(2)
+        return _decode_mode(text)
+    finally:
+        _stop(proc)
+
+
+def _decode_mode(log_text: str) -> str:
+    """What serve's start line says of its decode steps (compiled, or eager)."""
+    m = re.search(r"\(decode ([^;]+);", log_text)
+    return m.group(1) if m else "unknown"
 
 
 def _llmsplit(model: Path, log: Path, src: Path, batch: int, context: int, *flags: str):
@@ -214,7 +240,7 @@ def _stop(proc) -> None:
 
 
 def main(quick: bool = False) -> dict:
-    clients, rounds = (4, 1) if quick else (32, int(os.environ.get("SERVE_ROUNDS", "2")))
+    clients, rounds = (4, 1) if quick else (CLIENTS, int(os.environ.get("SERVE_ROUNDS", "2")))
     prompt, new = ((8, 48), (4, 16)) if quick else ((16, 1024), (16, 256))
     context = prompt[1] + new[1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,6 +256,9 @@ def main(quick: bool = False) -> dict:
         if not quick:  # half the bytes of keys and values read a step (llama-server's cache is f16)
             systems[f"llmsplit --kv-dtype {NARROW_KV}"] = lambda log: _llmsplit(
                 model, log, here, clients, context, *budget, "--kv-dtype", NARROW_KV)
+        if SPECULATIVE:
+            systems[f"llmsplit --speculative {SPECULATIVE}"] = lambda log: _llmsplit(
+                model, log, here, clients, context, *budget, "--speculative", SPECULATIVE)
         for tokens in EXTRA_BUDGETS:
             systems[f"llmsplit --max-num-batched-tokens {tokens}"] = lambda log, tokens=tokens: _llmsplit(
                 model, log, here, clients, context, "--max-num-batched-tokens", str(tokens))
@@ -242,6 +271,9 @@ def main(quick: bool = False) -> dict:
                     model, log, clients, context, *flags)
         if ONLY:  # SERVE_ONLY: a side-by-side of some rows (e.g. a change against the commit before it)
             systems = {name: start for name, start in systems.items() if name in ONLY}
+        for name, start in systems.items():
+            if name.startswith("llmsplit") and not quick:
+                print(f"{name}: {_prime(start, tmp / f'{name}-prime.log')} after priming", file=sys.stderr)
         runs: dict[str, list[dict]] = {name: [] for name in systems}
         loads = []
         for r in range(rounds):
@@ -254,6 +286,7 @@ def main(quick: bool = False) -> dict:
                 try:
                     _one(url, jobs[0][0][:8], 2)  # warm-up
                     runs[name].append(_load(url, jobs, watch_kv=name == "llmsplit"))
+                    runs[name][-1]["decode"] = _decode_mode((tmp / f"{name}-{r}.log").read_text())
                 finally:
                     _stop(proc)
                 print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)

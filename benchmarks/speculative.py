@@ -6,7 +6,7 @@ greedy (so both produce the same tokens, which the benchmark checks), prompts in
 chat template.
 
 `python -m benchmarks.speculative --gguf FILE.gguf [--rounds 3] [--tokens 4] [--max-new-tokens 128]
-[--draft DRAFT --draft-tokens 3]`
+[--draft DRAFT --draft-tokens 3] [--compile now]`
 
 Two prompt sets: `grounded` (the answer quotes its input: edit this code, copy a passage,
 answer from a document), where prompt lookup finds what comes next, and `open` (chat without
@@ -75,22 +75,23 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft", help="also a draft model's proposals (--speculative PATH)")
     p.add_argument("--draft-tokens", type=int, default=3, help="--speculative-tokens with --draft")
+    p.add_argument("--compile", choices=("off", "now"), default="off",
+                   help="now: every side decodes compiled (what --compile auto gives once its build is stored)")
     a = p.parse_args()
     import llmsplit
     from llmsplit.infer.chat import chat_prompt
 
-    models = {"none": llmsplit.load(a.gguf, max_batch=1, max_context=1024),
-              "ngram": llmsplit.load(a.gguf, max_batch=1, max_context=1024, speculative="ngram",
-                                     speculative_tokens=a.tokens)}
+    common = dict(max_batch=1, max_context=1024, compile=a.compile)
+    models = {"none": llmsplit.load(a.gguf, **common),
+              "ngram": llmsplit.load(a.gguf, **common, speculative="ngram", speculative_tokens=a.tokens)}
     if a.draft:
-        models["draft"] = llmsplit.load(a.gguf, max_batch=1, max_context=1024, speculative=a.draft,
-                                        speculative_tokens=a.draft_tokens)
+        models["draft"] = llmsplit.load(a.gguf, **common, speculative=a.draft, speculative_tokens=a.draft_tokens)
     sets = {"grounded": GROUNDED, "open": OPEN}
     ids = {name: [chat_prompt([{"role": "user", "content": q}], models["none"].tokenizer)[0] for q in qs]
            for name, qs in sets.items()}
     rates: dict[tuple, list] = {}
     print(f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, k={a.tokens} (draft {a.draft_tokens}), "
-          f"{a.max_new_tokens} new tokens")
+          f"{a.max_new_tokens} new tokens, compile {a.compile}")
     for r in range(a.rounds):
         order = list(models) if r % 2 == 0 else list(models)[::-1]
         for name in sets:

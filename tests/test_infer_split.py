@@ -145,7 +145,9 @@ def test_compiled_decode_step(folder, tmp_path):
     leaving at different positions) compile nothing more (issue 23: the first real request
     after a ~200-token prompt recompiled, 7-42 s). Two LoRA adapters (of other ranks and
     modules) are served over it, each request on one of them or on the base: every mix of
-    adapters in a batch runs in the same two graphs."""
+    adapters in a batch runs in the same two graphs. The compiled model speculates (n-gram):
+    its proposals are verified as rows of the batched graph (no third graph), and the tokens
+    stay those of the eager model without speculation."""
     import random
 
     from hf_models import make_peft_folder
@@ -155,20 +157,22 @@ def test_compiled_decode_step(folder, tmp_path):
     lora = {"a": str(make_peft_folder(tmp_path / "a", long, ("q_proj", "down_proj"), 4, seed=1)),
             "b": str(make_peft_folder(tmp_path / "b", long, ("v_proj", "o_proj", "up_proj"), 8, seed=2))}
     counters.clear()
-    compiled = llmsplit.load(long, device_map="cpu", compile=True, max_context=1280, max_batch=4, lora=lora)
+    compiled = llmsplit.load(long, device_map="cpu", compile=True, max_context=1280, max_batch=4, lora=lora,
+                             speculative="ngram")
     assert counters["stats"]["unique_graphs"] == 2
     eager = llmsplit.load(long, device_map="cpu", max_context=1280, max_batch=4, lora=lora)
     answers = [eager.engine.new_sequence([5, 17, 42], SamplingParams(8, ignore_eos=True), k) for k in range(3)]
     assert len({tuple(s.tokens) for s in eager.engine.generate(answers)}) == 3  # the adapters change the answers
     rng, adapter = random.Random(0), random.Random(1)
     for i in range(20):
-        requests = [([rng.randrange(3, 300) for _ in range(rng.choice([1, 2, 3, 40, 200, 1000]))],
+        requests = [([rng.randrange(3, 300) for _ in range(rng.choice([1, 2, 3, 40, 200, 1000]))] + [7, 8, 9] * 5,
                      SamplingParams(rng.choice([1, 2, 9, 30, 256 if i % 5 == 0 else 3]), ignore_eos=True),
                      adapter.randrange(3)) for _ in range([1, 2, 4, 3][i % 4])]
         got, want = ([s.tokens for s in e.engine.generate([e.engine.new_sequence(*r) for r in requests])]
                      for e in (compiled, eager))
         assert got == want, f"request {i}"
     assert counters["stats"]["unique_graphs"] == 2, "a request compiled a graph after load"
+    assert compiled.engine.speculation.verify_steps > 0
     with pytest.raises(ConfigError, match="compile"):
         llmsplit.load(folder, max_memory={"cpu": "900KiB"}, offload_dir=tmp_path / "off", max_context=64,
                       compile=True)

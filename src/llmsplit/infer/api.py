@@ -45,6 +45,13 @@ class LoadedModel:
         self.tokenizer = engine.tokenizer
         self._finalizer = weakref.finalize(self, runner.close)
 
+    @property
+    def decode_mode(self) -> str:
+        """How decode steps run now, in words (serve's start line says it)."""
+        if self.runner.decode_compiled:
+            return "compiled"
+        return "eager until the background compile is stored" if self.compile_pending else "eager"
+
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-sequence forward, no cache: [b, s] -> [b, s, vocab] (float32, on the CPU)."""

@@ -22,7 +22,7 @@ from ...errors import ConfigError
 from .block_manager import BlockPool
 from .sequence import Sequence
 from .speculative import SPECULATE_UP_TO, Speculation
-from .step import PackedStep
+from .step import PackedStep, Step
 
 # Tokens a step computes by default: prompt tokens/s of SmolLM2-135M (GGUF Q4_1, 1 thread, load
 # 10.5) by chunk size: 128: 74, 256: 125, 512: 149, 1024: 137, 2048: 121 (longer chunks cost
@@ -120,6 +120,10 @@ class Scheduler:
         adapters = torch.tensor(adapters) if any(adapters) else None
         if not batch.chunks and not batch.verifying and len(decodes) == 1:
             return torch.tensor([[s.tokens[-1]] for s in decoding]), decodes[0], adapters
+        if not batch.chunks and self.one_decode_batch:  # proposals verified as decode rows (Step.one_token_rows)
+            rows = decodes + [self.pool.rows(seq.id, 1 + len(p)) for seq, p in batch.verifying]
+            tokens = [s.tokens[-1] for s in decoding] + [t for seq, p in batch.verifying for t in (seq.tokens[-1], *p)]
+            return torch.tensor(tokens)[:, None], Step.one_token_rows(rows), adapters
         parts = decodes
         tokens = [s.tokens[-1] for s in decoding]
         for seq, proposal in batch.verifying:  # the newest token, then the proposals: a row each

@@ -26,6 +26,18 @@ class Step:
         mask = torch.arange(gather.shape[1])[None, None, :] <= new[:, :, None]  # [b, s, width]
         return Step(start, gather.gather(1, new).reshape(-1), gather, mask[:, None])
 
+    @staticmethod
+    def one_token_rows(parts: list["Step"]) -> "Step":
+        """Steps of one-token rows (a batch of decodes, a sequence's proposals being verified)
+        as one masked [b, 1] step: what a compiled decode graph and the paged decode kernel
+        take, so that verifying k proposals costs one decode step of k + 1 rows, not an eager
+        fused step (which, against a compiled decode, cost more than the tokens it saved)."""
+        rows = [part.per_sequence() for part in parts]
+        width = max(r.gather.shape[1] for r in rows)
+        # Padding points at slot 0, which the mask hides (as _gather's own padding).
+        gather = torch.cat([torch.nn.functional.pad(r.gather, (0, width - r.gather.shape[1])) for r in rows])
+        return Step.masked(torch.cat([r.start for r in rows]), 1, gather)
+
     def per_sequence(self) -> "Step":
         """This step in the masked form (one start per sequence), whether or not its
         sequences share a position: what a compiled batched decode step takes, so that one

@@ -199,6 +199,10 @@ class Runner:
     def decodes_in_place(self) -> bool:
         return self.cache.reads_in_place()
 
+    @property
+    def decode_compiled(self) -> bool:
+        return self._decode is not None
+
     def serve_adapters(self, names: list[str], adapters: list[dict], scales: list[float]) -> None:
         """Serve LoRA adapters (whole, checked against the model: `io.weights.run_adapters`) over
         this piece, each applied to the rows of the sequences that ask for it (adapters/bank.py).

@@ -216,6 +216,10 @@ class SplitRunner:
     def decodes_in_place(self) -> bool:
         return self.runner.decodes_in_place
 
+    @property
+    def decode_compiled(self) -> bool:
+        return False  # (layout.rules refuses --compile now under a split; auto stays eager there)
+
     def forward(self, tokens: torch.Tensor, step, last_only: bool, adapters=None) -> torch.Tensor:
         dist.broadcast_object_list([(tokens, step, last_only, adapters)], src=0)
         return _step(self.runner, self.mesh, tokens, step, last_only, adapters)

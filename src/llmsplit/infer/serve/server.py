@@ -341,7 +341,7 @@ def serve(model_path, config: InferConfig | None = None, host: str = "127.0.0.1"
             server = Server(model, name, max_queue, api_key, max_body,
                             announce=f"llmsplit: serving {name!r}{_with_adapters(model.adapters)} at "
                                      f"http://{url_host}:{where[1]}/v1 "
-                                     f"(SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout,
+                                     f"(decode {model.decode_mode}; SIGTERM or Ctrl-C to stop)", request_timeout=request_timeout,
                             metrics_auth=metrics_auth, max_items=max_items, template_limits=template_limits,
                             path=model_path, tool_call_parser=config.tool_call_parser)
             config = uvicorn.Config(server.app, log_level="warning", access_log=False,
