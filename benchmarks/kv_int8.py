@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import torch
 
     import llmsplit
-    from llmsplit.infer.config import KV_DTYPES
+    from llmsplit.infer.choices import KV_DTYPES
 
     from .quant import _text_ids
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from llmsplit.errors import ConfigError
-from llmsplit.infer.config import TOOL_CALL_PARSERS, InferConfig
+from llmsplit.infer.choices import TOOL_CALL_PARSERS
+from llmsplit.infer.config import InferConfig
 from llmsplit.infer.serve.replies import Reply
 from llmsplit.infer.serve.tool_calls import PARSERS, CallScanner, pick_parser
 

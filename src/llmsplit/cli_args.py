@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from .cli_shared_args import COUNT, add_placement_args, number
+from .infer.choices import POOLING, TOOL_CALL_PARSERS
 
 EPILOG = "Config keys and files: see README.md. Exit status: 0 ok, 1 runtime failure, 2 bad usage or config."
 # Three real commands each, after EPILOG in `train/generate/serve --help` (README's examples;
@@ -165,8 +166,6 @@ def _add_generate(sub) -> argparse.ArgumentParser:
 
 
 def _add_serve(sub) -> argparse.ArgumentParser:
-    from .infer.config import POOLING, TOOL_CALL_PARSERS
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the same engine (extra [serve])",
                        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with "
                                    "\"stream\": true), GET /health and GET /metrics, batching all live requests "

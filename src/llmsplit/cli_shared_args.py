@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from .infer.choices import COMPILE, KV_DTYPES, MAX_SPECULATIVE_TOKENS
+
 
 def number(kind: type, at_least=None, above=None, at_most=None) -> Callable:
     """An argparse `type`: `kind` (int or float) within the bounds. A value out of range is
@@ -52,11 +54,11 @@ def add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None
     p.add_argument("--quantize", choices=("int8", "int4", "none"), help="keep the weights packed: int8 (one scale "
                    "per row) or int4 (groups of 32) quantized at load; none widens a GGUF's own int4/int8 to --dtype "
                    "(default: a GGUF keeps its own, other models stay float)")
-    p.add_argument("--kv-dtype", choices=("int8", "bfloat16"), help="store the KV cache as int8 with a scale "
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as int8 with a scale "
                    "per token and head (about 1/4 of the float32 cache's bytes, 1/2 of bfloat16's), or as bfloat16 "
                    "under a float32 compute dtype (1/2, and faster decoding of many long sequences on CPU) (default: "
                    "the compute dtype)")
-    p.add_argument("--compile", nargs="?", const="now", choices=("auto", "now", "off"),
+    p.add_argument("--compile", nargs="?", const="now", choices=COMPILE,
                    help="torch.compile the decode step: auto (the default, or $LLMSPLIT_COMPILE) runs eager while a "
                    "background process compiles it once for this model shape and machine, then compiles from "
                    "that cache at every later start (seconds) and swaps it into a running server; now (the flag "
@@ -65,11 +67,11 @@ def add_placement_args(p: argparse.ArgumentParser, context_default: str) -> None
     p.add_argument("--n-cpu-moe", type=number(int, at_least=1), metavar="N",
                    help="keep the routed experts of the first N mixture-of-experts layers in CPU memory, attention "
                    "on the accelerator, as llama.cpp's --n-cpu-moe (default: experts stay with their layer)")
-    # Checked by InferConfig (the engine's rules, named as these flags): importing them here would load torch.
+    # Checked by InferConfig (a path or a proposer; the range of K), its errors named as these flags.
     p.add_argument("--speculative", metavar="ngram|PATH", help="speculative decoding: ngram proposes the tokens "
                    "that followed the text's last words where they appeared before in the prompt or answer (prompt "
                    "lookup); PATH, a smaller draft model with the same tokenizer, proposes its own greedy "
                    "continuation; the model checks them in one step, and the output is what it would be without "
                    "(default: off)")
     p.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
-                   help="tokens proposed a step with --speculative, 1..16 (default %(default)s)")
+                   help=f"tokens proposed a step with --speculative, 1..{MAX_SPECULATIVE_TOKENS} (default %(default)s)")

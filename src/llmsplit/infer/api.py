@@ -16,7 +16,8 @@ from ..errors import ConfigError
 from . import compile_cache
 from ..io.weights import open_weights, packed_unit_bytes, run_adapters
 from ..parallel.mesh import ParallelDims
-from .config import POOLING, SPECULATIVE, InferConfig
+from .choices import POOLING, SPECULATIVE
+from .config import InferConfig
 from .engine import Engine, SamplingParams
 from .engine.speculative import SPECULATE_UP_TO, DraftProposals, Speculation
 from .runner.kv_cache import kv_element_bytes
