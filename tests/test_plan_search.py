@@ -206,3 +206,43 @@ def test_when_nothing_fits_but_qlora_does_it_says_so_before_the_last_line(capsys
     assert lines[nxt + 1].startswith("  llmsplit plan --model llama-3-8b --gpus 1 --gpu RTX4090-24GB --set "
                                      "lora.rank=16 --set lora.base=nf4  # QLoRA")
     assert lines[-1] == "no layout of the 15 considered fits 1 × RTX4090-24GB"
+
+
+@pytest.mark.parametrize("run, says", [
+    ({"rows_per_sample": 2}, "train.objective=\"dpo\" does not combine with parallel.cp=2 yet"),
+    ({"rollout_rows": 8, "rollout_context": 4096}, "train.objective=\"grpo\" with parallel.cp=2 is not built yet"),
+    ({"teacher_params": 10**8}, "train.teacher with parallel.cp=2 is not built yet"),
+    ({"compile": True}, "train.compile=true does not combine with parallel.cp=2 yet"),
+])
+def test_the_search_leaves_context_parallel_out_of_runs_it_cannot_split(run, says):
+    """The runs cp does not split are refused by the layout rules themselves (layout/context.py),
+    so the search that --auto and plan run never proposes cp for them (it did: validation then
+    refused the layout it had chosen)."""
+    from llmsplit.errors import ConfigError
+    from llmsplit.layout import check
+    from llmsplit.plan.search import enumerate_layouts
+
+    cfg, work = preset_config("tiny"), Workload(seq_len=256, global_batch=8, **run)
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
+        check(cfg, Layout(dp=1, cp=2), work, 2)
+    assert not any(lay.cp > 1 for lay in enumerate_layouts(cfg, work, 4, get_device("H100-80GB")))
+    assert any(lay.cp > 1 for lay in enumerate_layouts(cfg, Workload(seq_len=256, global_batch=8), 4,
+                                                       get_device("H100-80GB")))
+
+
+def test_plan_on_a_dpo_or_grpo_config_counts_its_pairs_and_its_engine(tmp_path):
+    """`plan` on a config file sees the run it describes (config.workload_of), flags in place of
+    its values: a DPO step's activations hold two rows a sample, a GRPO step adds its engine."""
+    from llmsplit.config import to_toml
+
+    reports = {}
+    for objective in ("sft", "dpo", "grpo"):
+        cfg = load_config(None, ["model.preset=tiny", f"train.objective={objective}", "grpo.rewards=[\"r.py:f\"]",
+                                 "train.global_batch=8", "data.seq_len=256"])
+        path = tmp_path / f"{objective}.toml"
+        path.write_text(to_toml(cfg))
+        reports[objective] = plan(model=str(path), gpus=1, gpu="H100-80GB", layout="micro_batch=8",
+                                  seq_len=128)
+    peak = {k: r["layouts"][0]["memory_per_device"]["total"] for k, r in reports.items()}
+    assert all(r["workload"]["seq_len"] == 128 for r in reports.values())
+    assert peak["dpo"] > peak["sft"] and peak["grpo"] > peak["sft"], peak

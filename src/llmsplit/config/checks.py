@@ -43,19 +43,25 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
                   activation_checkpoint=mem.activation_checkpoint, offload=mem.offload)
 
 
-def workload_of(cfg: Config) -> Workload:
-    return Workload(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, precision=cfg.train.precision,
+def workload_of(cfg: Config, seq_len: int | None = None, global_batch: int | None = None,
+                precision: str | None = None) -> Workload:
+    """The training run `cfg` describes, as the layout rules and the planner see it; `llmsplit
+    plan`'s --seq-len, --global-batch and --precision in place of the config's values."""
+    seq_len = seq_len or cfg.data.seq_len
+    global_batch = global_batch or cfg.train.global_batch
+    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision or cfg.train.precision,
                     lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets, lora_base=cfg.lora.base,
                     rows_per_sample=2 if cfg.train.objective == "dpo" else 1, compile=cfg.train.compile,
-                    teacher_params=cfg.train.teacher_params if cfg.train.teacher else 0, **_rollout(cfg))
+                    teacher_params=cfg.train.teacher_params if cfg.train.teacher else 0,
+                    **_rollout(cfg, seq_len, global_batch))
 
 
-def _rollout(cfg: Config) -> dict:
+def _rollout(cfg: Config, seq_len: int, global_batch: int) -> dict:
     """A GRPO run's engine as the planner counts it: every completion of a step within
     data.seq_len (the worker refuses a longest prompt + grpo.max_completion_tokens beyond it)."""
     if cfg.train.objective != "grpo":
         return {}
-    return {"rollout_rows": cfg.train.global_batch, "rollout_context": cfg.data.seq_len,
+    return {"rollout_rows": global_batch, "rollout_context": seq_len,
             "rollout_reference": cfg.grpo.beta > 0 and not cfg.lora.rank}
 
 
@@ -82,7 +88,6 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be greater than 0 (seconds)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
-    _check_context_parallel_training(cfg)
     check_objective(cfg)
     check_data(cfg.data, t.eval_every)
     if t.eval_every and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
@@ -103,19 +108,6 @@ def validate(cfg: Config, world_size: int, model_cfg=None, tokenizer_vocab: int 
     if model_cfg is not None and tokenizer_vocab is not None and model_cfg.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; raise model.vocab_size or remove it")
-
-
-def _check_context_parallel_training(cfg: Config) -> None:
-    """What context parallel does not train with yet, apart from the splitting rules (layout/context.py)."""
-    cp, t = cfg.parallel.cp, cfg.train
-    if cp == 1:
-        return
-    if t.objective == "dpo":
-        # A pair's log-probability sums over its whole reply, which cp would split over ranks.
-        raise ConfigError(f"train.objective=\"dpo\" does not combine with parallel.cp={cp} yet; set parallel.cp=1")
-    if t.compile:
-        raise ConfigError(f"train.compile=true does not combine with parallel.cp={cp} yet (the ring's "
-                          f"communication inside each block); set train.compile=false or parallel.cp=1")
 
 
 def _check_offload_dir(path: str | None) -> None:

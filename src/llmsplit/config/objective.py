@@ -71,9 +71,6 @@ def _check_distillation(cfg) -> None:
     if t.objective != "sft":
         raise ConfigError(f"train.teacher distils with the next-token objective, and train.objective is "
                           f"{t.objective!r}; remove train.teacher or set train.objective=\"sft\"")
-    if cfg.parallel.cp > 1:
-        raise ConfigError(f"train.teacher with parallel.cp={cfg.parallel.cp} is not built yet (the teacher sees "
-                          f"whole rows); set parallel.cp=1")
 
 
 def _check_dpo_section(dpo: DpoSection) -> None:
@@ -127,7 +124,7 @@ def _check_grpo_section(grpo: GrpoSection) -> None:
 
 
 def _check_grpo_run(cfg) -> None:
-    grpo, par = cfg.grpo, cfg.parallel
+    grpo = cfg.grpo
     if not grpo.rewards:
         raise ConfigError("train.objective=\"grpo\" needs grpo.rewards: set it to a list of reward functions, "
                           "e.g. grpo.rewards=[\"rewards.py:correct\"]")
@@ -135,9 +132,6 @@ def _check_grpo_run(cfg) -> None:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not divisible by grpo.num_generations="
                           f"{grpo.num_generations} (the batch counts completions, num_generations per prompt); "
                           f"set train.global_batch to a multiple of {grpo.num_generations}")
-    if par.cp > 1:
-        raise ConfigError(f"train.objective=\"grpo\" with parallel.cp={par.cp} is not built yet (issue 47); "
-                          f"set parallel.cp=1")
     for key in ("data.source", "data.eval_source"):
         source = getattr(cfg.data, key.split(".")[1])
         if source and not (source.endswith(".jsonl") or source.startswith("text:")):

@@ -10,7 +10,8 @@ shares (a balancing loss, train.moe_aux_loss, is each rank's over its tokens, as
 parallel), and an expert's replicas include the cp ranks (mesh.py's "expert_dp"). Sliding
 windows are masks over global positions, per block of the ring. What cp does not combine with
 yet is refused here by name rather than left to fail inside a collective: Gemma 2's capped
-scores, which the ring's kernels do not apply.
+scores, which the ring's kernels do not apply; and the training runs whose rows it would cut
+(DPO's pairs, GRPO's completions, a teacher's inputs) or compile (train.compile).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
     if work is not None and work.mode == "infer":
         raise ConfigError(f"{said} splits training sequences; inference does not split a prompt over ranks yet "
                           f"(leave parallel.cp at 1 with --mode infer)")
+    if work is not None:
+        _check_training(work, said)
     if model is not None:
         _check_model(model, layout, said)
     if work is not None and work.seq_len % (2 * cp):
@@ -36,6 +39,21 @@ def check_context_parallel(model: LlamaConfig | None, layout: Layout, work: Work
                           f"cuts each sequence into 2 × cp equal chunks, one from the front and one from the back "
                           f"for each rank; use a data.seq_len that is a multiple of {2 * cp} or parallel.cp in "
                           f"{', '.join(map(str, fits))}")
+
+
+def _check_training(work: Workload, said: str) -> None:
+    """The training runs cp does not split yet (here, so that `--auto`'s search leaves cp out
+    for them rather than propose a layout that validation then refuses)."""
+    if work.rows_per_sample > 1:  # DPO: a pair's log-probability sums over its whole reply, which cp would cut
+        raise ConfigError(f"train.objective=\"dpo\" does not combine with {said} yet; set parallel.cp=1")
+    if work.rollout_rows:
+        raise ConfigError(f"train.objective=\"grpo\" with {said} is not built yet (issue 47); set parallel.cp=1")
+    if work.teacher_params:
+        raise ConfigError(f"train.teacher with {said} is not built yet (the teacher sees whole rows); set "
+                          f"parallel.cp=1")
+    if work.compile:
+        raise ConfigError(f"train.compile=true does not combine with {said} yet (the ring's communication inside "
+                          f"each block); set train.compile=false or parallel.cp=1")
 
 
 def _check_model(model: LlamaConfig, layout: Layout, said: str) -> None:

@@ -190,10 +190,9 @@ def _workload(cfg: LlamaConfig, source: Config | None, gpus: int, device: Device
             raise ConfigError(f"{flag} {value} must be at least 1")
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    trains = ({"lora_rank": source.lora.rank, "lora_targets": source.lora.targets, "lora_base": source.lora.base,
-               "compile": source.train.compile, "teacher_params": source.train.teacher_params if source.train.teacher
-               else 0} if source and mode == "train" else {})
-    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode, **trains)
+    if source is not None and mode == "train":  # its adapters, objective (DPO's pairs, GRPO's engine), teacher
+        return workload_of(source, seq_len, global_batch, precision)
+    return Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, mode=mode)
 
 
 def _quantize(mode: str, run_mode: str) -> str:
