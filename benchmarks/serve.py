@@ -49,6 +49,7 @@ PREVIOUS = Path(os.environ.get("LLMSPLIT_PREVIOUS_SRC", "/work/wt/prev/src"))
 # under many streams no lower than without; SERVE_CLIENTS=16 for the 16 streams).
 SPECULATIVE = os.environ.get("SERVE_SPECULATIVE", "")
 CLIENTS = int(os.environ.get("SERVE_CLIENTS", "32"))
+EXTRAS = os.environ.get("SERVE_EXTRAS", "1") != "0"  # 0: no prefix / json_schema / small-pool runs after the rounds
 # SERVE_ONLY="llmsplit,previous engine": run only these rows (names as in the table).
 ONLY = {name.strip() for name in os.environ.get("SERVE_ONLY", "").split(",") if name.strip()}
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path.home() / ".cache/llmsplit-peers/llama_cpp_python-0.3.36"
@@ -83,7 +84,7 @@ def _prime(start, log: Path) -> str:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the compiled decode step was not stored:\n{text[-2000:]}")
             time.sleep(2)
-        return _decode_mode(text)
+        return "compiled (built and swapped in)" if "swapped in" in text else _decode_mode(text)
     finally:
         _stop(proc)
 
@@ -286,12 +287,13 @@ def main(quick: bool = False) -> dict:
                 try:
                     _one(url, jobs[0][0][:8], 2)  # warm-up
                     runs[name].append(_load(url, jobs, watch_kv=name == "llmsplit"))
-                    runs[name][-1]["decode"] = _decode_mode((tmp / f"{name}-{r}.log").read_text())
+                    if name.startswith("llmsplit"):
+                        runs[name][-1]["decode"] = _decode_mode((tmp / f"{name}-{r}.log").read_text())
                 finally:
                     _stop(proc)
                 print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)
-        extra = {"prefix": None, "json_schema": None}
-        if not quick:
+        extra = {"prefix": None, "json_schema": None, "small_pool": None}
+        if not quick and EXTRAS:
             proc, url = _llmsplit(model, tmp / "extra.log", here, clients, context, *budget)
             try:
                 # The json_schema check needs xgrammar (the server's) and jsonschema (this side's).
@@ -299,14 +301,14 @@ def main(quick: bool = False) -> dict:
                 extra["prefix"], extra["json_schema"] = _prefix(url, vocab), _json_schema(url, 100) if checkable else None
             finally:
                 _stop(proc)
-        # A pool for 8 whole sequences under 32 clients: blocks on demand, preemption, no failure.
-        proc, url = _llmsplit(model, tmp / "small.log", here, clients, context, *budget, "--kv-tokens",
-                              str(8 * context))
-        try:
-            extra["small_pool"] = _load(url, workload(clients, seed=99, vocab=vocab, prompt=prompt, new=new))
-            extra["small_pool"]["preemptions"] = _metrics(url)["preemptions_total"]
-        finally:
-            _stop(proc)
+        if quick or EXTRAS:  # A pool for 8 whole sequences under 32 clients: blocks on demand, preemption, no failure.
+            proc, url = _llmsplit(model, tmp / "small.log", here, clients, context, *budget, "--kv-tokens",
+                                  str(8 * context))
+            try:
+                extra["small_pool"] = _load(url, workload(clients, seed=99, vocab=vocab, prompt=prompt, new=new))
+                extra["small_pool"]["preemptions"] = _metrics(url)["preemptions_total"]
+            finally:
+                _stop(proc)
         print(f"extra: {extra}", file=sys.stderr)
     keys = ("tokens_per_s", "p50_ttft_s", "p99_ttft_s", "p50_itl_s", "p99_itl_s")
     summary = {name: {k: _median([x[k] for x in rs if x[k] is not None]) for k in keys}
@@ -343,8 +345,9 @@ def to_markdown(r: dict) -> list[str]:
     j, small = e["json_schema"], e["small_pool"]
     if j:
         out.append(f"- json_schema: {j['valid']} / {j['asked']} responses parse and validate against their schema.")
-    out.append(f"- KV pool for 8 sequences, {r['clients']} clients: {small['requests']} completed, {small['errors']} "
-               f"errors, {small['preemptions']:.0f} preemptions, {small['tokens_per_s']:.1f} tokens/s.")
+    if small:
+        out.append(f"- KV pool for 8 sequences, {r['clients']} clients: {small['requests']} completed, "
+                   f"{small['errors']} errors, {small['preemptions']:.0f} preemptions, {small['tokens_per_s']:.1f} tokens/s.")
     return out
 
 

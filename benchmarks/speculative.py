@@ -6,7 +6,7 @@ greedy (so both produce the same tokens, which the benchmark checks), prompts in
 chat template.
 
 `python -m benchmarks.speculative --gguf FILE.gguf [--rounds 3] [--tokens 4] [--max-new-tokens 128]
-[--draft DRAFT --draft-tokens 3] [--compile now]`
+[--draft DRAFT --draft-tokens 3] [--compile now] [--llama-server]`
 
 Two prompt sets: `grounded` (the answer quotes its input: edit this code, copy a passage,
 answer from a document), where prompt lookup finds what comes next, and `open` (chat without
@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 CODE = '''def parse_config(path):
     config = {}
@@ -67,6 +69,31 @@ def decode_rate(m, ids: list[int], max_new: int) -> tuple[float, list[int]]:
     return (len(marks) - 1) / (marks[-1] - marks[0]), seq.tokens
 
 
+class LlamaServer:
+    """llama.cpp's llama-server on the same GGUF file (benchmarks/serve.py starts it: its defaults,
+    one slot, `-t` 2), with `flags` (e.g. `--spec-type ngram-simple`, its prompt lookup); decode
+    tokens/s as its own timings give them (`predicted_per_second`: the tokens generated over the
+    time after the prompt), greedy, EOS ignored, the same token ids as llmsplit's side."""
+
+    def __init__(self, gguf: str, log: Path, *flags: str):
+        from .serve import _llama_server
+
+        self.proc, self.url = _llama_server(Path(gguf), log, 1, 2048, *flags)
+
+    def decode_rate(self, ids: list[int], max_new: int) -> tuple[float, list[int]]:
+        import httpx
+
+        body = {"prompt": ids, "n_predict": max_new, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True}
+        reply = httpx.post(f"{self.url}/completion", json=body, timeout=600).json()
+        return reply["timings"]["predicted_per_second"], reply.get("tokens", [])
+
+    def close(self) -> None:
+        from .serve import _stop
+
+        _stop(self.proc)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -75,17 +102,34 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft", help="also a draft model's proposals (--speculative PATH)")
     p.add_argument("--draft-tokens", type=int, default=3, help="--speculative-tokens with --draft")
+    p.add_argument("--llama-server", action="store_true",
+                   help="also llama.cpp's llama-server without and with --spec-type ngram-simple (its prompt lookup)")
     p.add_argument("--compile", choices=("off", "now"), default="off",
                    help="now: every side decodes compiled (what --compile auto gives once its build is stored)")
     a = p.parse_args()
     import llmsplit
-    from llmsplit.infer.chat import chat_prompt
 
     common = dict(max_batch=1, max_context=1024, compile=a.compile)
     models = {"none": llmsplit.load(a.gguf, **common),
               "ngram": llmsplit.load(a.gguf, **common, speculative="ngram", speculative_tokens=a.tokens)}
     if a.draft:
         models["draft"] = llmsplit.load(a.gguf, **common, speculative=a.draft, speculative_tokens=a.draft_tokens)
+    peers = {}
+    if a.llama_server:
+        logs = Path(tempfile.mkdtemp(prefix="spec-llama-"))
+        peers = {"llama.cpp": LlamaServer(a.gguf, logs / "none.log"),
+                 "llama.cpp ngram-simple": LlamaServer(a.gguf, logs / "ngram.log", "--spec-type", "ngram-simple")}
+    try:
+        _rounds(a, models, peers)
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+def _rounds(a, models: dict, peers: dict) -> None:
+    from llmsplit.infer.chat import chat_prompt
+
+    sides = {**models, **peers}
     sets = {"grounded": GROUNDED, "open": OPEN}
     ids = {name: [chat_prompt([{"role": "user", "content": q}], models["none"].tokenizer)[0] for q in qs]
            for name, qs in sets.items()}
@@ -93,21 +137,26 @@ def main() -> None:
     print(f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, k={a.tokens} (draft {a.draft_tokens}), "
           f"{a.max_new_tokens} new tokens, compile {a.compile}")
     for r in range(a.rounds):
-        order = list(models) if r % 2 == 0 else list(models)[::-1]
+        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
         for name in sets:
             for side in order:
-                results = [decode_rate(models[side], q, a.max_new_tokens) for q in ids[name]]
+                results = [sides[side].decode_rate(q, a.max_new_tokens) if side in peers
+                           else decode_rate(models[side], q, a.max_new_tokens) for q in ids[name]]
                 rates.setdefault((name, side), []).append(statistics.median(x for x, _ in results))
                 rates.setdefault((name, side, "tokens"), []).append([t for _, t in results])
             same = all(rates[(name, side, "tokens")][-1] == rates[(name, "none", "tokens")][-1] for side in models)
-            measured = ", ".join(f"{side} {rates[(name, side)][-1]:.1f}" for side in models)
+            measured = ", ".join(f"{side} {rates[(name, side)][-1]:.1f}" for side in sides)
             print(f"round {r} {name:8s} order {'/'.join(order)}: {measured} tokens/s (median of {len(ids[name])} "
                   f"prompts), same tokens: {same}, load {os.getloadavg()[0]:.2f}", flush=True)
     for name in sets:
         none = statistics.median(rates[(name, "none")])
         print(f"{name}: none {none:.1f} tokens/s; " + ", ".join(
             f"{side} {statistics.median(rates[(name, side)]):.1f} ({statistics.median(rates[(name, side)]) / none:.2f}x)"
-            for side in models if side != "none"))
+            for side in sides if side != "none"))
+        if "ngram" in models and "llama.cpp ngram-simple" in peers:
+            theirs = statistics.median(rates[(name, "llama.cpp ngram-simple")])
+            print(f"{name}: llmsplit ngram / llama.cpp ngram-simple: "
+                  f"{statistics.median(rates[(name, 'ngram')]) / theirs:.2f}x")
     for side in models:
         if side != "none":
             print(models[side].engine.speculation.summary())
