@@ -91,12 +91,14 @@ def test_auto_runs_eager_then_swaps_in_the_background_build(cache, tmp_path):
     want = plain.generate("The def statement", max_new_tokens=12, ignore_eos=True)
     m = llmsplit.load(folder, max_batch=1, max_context=64, compile="auto")
     assert m.compile_pending is not None and m.runner._decode is None  # eager while the build runs
+    assert plain.decode_mode == "eager" and m.decode_mode == "eager until the background compile is stored"
     assert m.generate("The def statement", max_new_tokens=12, ignore_eos=True) == want
     deadline = time.monotonic() + 600
     while compile_cache.find(m.compile_pending) is None and time.monotonic() < deadline:
         time.sleep(1)
     assert compile_cache.find(m.compile_pending) is not None, (cache / "..").resolve()
     assert m.compile_when_ready() and m.runner._decode is not None and m.compile_pending is None
+    assert m.decode_mode == "compiled"  # what serve's start line says
     assert m.generate("The def statement", max_new_tokens=12, ignore_eos=True) == want
     started = time.monotonic()
     again = llmsplit.load(folder, max_batch=1, max_context=64, compile="auto")  # from the artifact, at load
