@@ -123,7 +123,8 @@ def test_a_server_swaps_the_compiled_step_in_once_stored_and_idle(cache, monkeyp
     class Model:
         compile_pending = KEY
 
-        def compile_when_ready(self):
+        def compile_when_ready(self, artifact=None):
+            assert artifact == b"graphs"  # read once by the watcher, handed over at every try
             return answers.pop(0)
 
     class Scheduler:

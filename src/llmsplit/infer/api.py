@@ -100,13 +100,14 @@ class LoadedModel:
             return prompt.reshape(-1).tolist()
         return [int(t) for t in prompt]
 
-    def compile_when_ready(self) -> bool:
+    def compile_when_ready(self, artifact: bytes | None = None) -> bool:
         """Under --compile auto, once the background build has stored its artifact and no request
         runs: compile the decode step from it (seconds) and decode compiled from then on.
-        Returns whether it did (the server calls it on its engine thread, between steps)."""
+        Returns whether it did (the server calls it on its engine thread, between steps, with
+        the artifact its watcher has read: `compile_cache.find`'s, else read here)."""
         if self.compile_pending is None or self.engine.busy:
             return False
-        artifact = compile_cache.find(self.compile_pending)
+        artifact = artifact or compile_cache.find(self.compile_pending)
         if artifact is None:
             return False
         torch.compiler.load_cache_artifacts(artifact)

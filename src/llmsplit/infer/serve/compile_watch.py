@@ -19,11 +19,13 @@ def watch_compile(model, scheduler, stop: threading.Event) -> threading.Thread |
         return None
 
     def watch() -> None:
+        artifact = None  # read and checked once, then handed over at each try until the engine is idle
         while not stop.wait(POLL_S):
-            if find(model.compile_pending) is None:
+            artifact = artifact or find(model.compile_pending)
+            if artifact is None:
                 continue
             try:
-                swapped = scheduler.call(model.compile_when_ready).result()
+                swapped = scheduler.call(lambda: model.compile_when_ready(artifact)).result()
             except Exception as e:  # shutting down, or the compile failed: stay eager
                 print(f"llmsplit: the compiled decode step was not swapped in ({type(e).__name__}: {e}); "
                       f"decoding stays eager", file=sys.stderr, flush=True)
