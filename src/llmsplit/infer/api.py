@@ -112,7 +112,7 @@ class LoadedModel:
             return False
         torch.compiler.load_cache_artifacts(artifact)
         self.runner.compile_decode()
-        self.engine.scheduler.one_decode_batch = True
+        self.engine.scheduler.one_decode_batch = _decodes_as_one_batch(self.runner)
         _compile_decode_graphs(self.engine, self.engine.max_batch)
         self.compile_pending = None
         return True
@@ -209,7 +209,7 @@ def load(path, config: InferConfig | None = None, *, source=None, **fields) -> L
     eos = set(source.eos_ids) | ({source.tokenizer.eos_id} if source.tokenizer.eos_id is not None else set())
     engine = Engine(runner, source.tokenizer, eos, num_blocks, config.block_size, config.max_batch, sizes.context,
                     config.prefix_caching, config.max_num_batched_tokens,
-                    one_decode_batch=compile_now or runner.decodes_in_place,
+                    one_decode_batch=_decodes_as_one_batch(runner),
                     speculation=_speculation(config, source, sizes.context))
     if compile_now:
         _compile_decode_graphs(engine, config.max_batch)
@@ -312,6 +312,12 @@ def _compile_choice(path, source, config: InferConfig, placement: Placement, dty
         torch.compiler.load_cache_artifacts(artifact)
         return True, None
     return False, key
+
+
+def _decodes_as_one_batch(runner) -> bool:
+    """Whether the step's decodes run as one batch (and proposals as rows of it): what a compiled
+    decode graph and the paged decode kernel take (scheduler.Scheduler.one_decode_batch)."""
+    return runner.decode_compiled or runner.decodes_in_place
 
 
 def _compile_decode_graphs(engine: Engine, max_batch: int) -> None:
